@@ -1,0 +1,233 @@
+"""The job config: one pydantic model per service, loaded from YAML with dotted `--set` overrides."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line that names the offending key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class WarmStartConfig(Strict):
+    """Supervised warm start that turns a random init into a base model RL can improve."""
+
+    steps: int = Field(300, ge=0, description="SFT optimizer steps on synthetic task data")
+    seed: int = Field(0, description="seed for init, data and order: the base model is a pure function of config")
+    batch_size: int = Field(64, ge=1, description="sequences per SFT step")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate for SFT")
+    tasks: list[str] = Field(["arithmetic"], min_length=1, description="tasks whose data the SFT pass sees")
+
+
+class ModelConfig(Strict):
+    """The policy: an HF-format directory, or the tiny built-in model that `jetroll init-model` builds."""
+
+    path: str | None = Field(None, description="HF-format model dir; None builds/uses the cached tiny model")
+    cache_dir: str = Field("~/.cache/jetroll", description="where the tiny base model is cached")
+    hidden_size: int = Field(256, ge=128, multiple_of=128, description="tiny model width")
+    num_layers: int = Field(4, ge=1, description="tiny model decoder layers")
+    num_heads: int = Field(4, ge=1, description="attention (query) heads")
+    num_kv_heads: int = Field(2, ge=1, description="key/value heads (GQA)")
+    intermediate_size: int = Field(768, ge=128, multiple_of=128, description="SwiGLU hidden width")
+    max_position_embeddings: int = Field(4096, ge=2304, description="context length")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    tie_word_embeddings: bool = Field(True, description="share the embedding and lm_head weights")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.hidden_size must be divisible by model.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.num_heads must be divisible by model.num_kv_heads")
+        return self
+
+
+class TaskWeight(Strict):
+    name: str = Field(description="a registered task name (see shared.tasks.TASKS)")
+    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
+
+
+class RolloutConfig(Strict):
+    """Rollout workers: a continuous-batching engine per worker."""
+
+    pool: str = Field("default", description="hardware pool this worker serves")
+    num_workers: int = Field(1, ge=1, description="rollout worker processes")
+    max_batch: int = Field(128, ge=1, description="decode slots per worker")
+    max_new_tokens: int = Field(16, ge=1, description="generation cap per sample")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (mu is log-softmax(logits / T))")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; mu stays the untruncated log-prob")
+    recompute_kv_on_swap: bool = Field(True, description="recompute in-flight KV caches after a weight swap")
+    threads: int = Field(1, ge=1, description="torch threads per worker")
+
+
+class RewardConfig(Strict):
+    """The reward router: runs each task's reward function in a local process pool."""
+
+    backend: Literal["local"] = Field("local", description="reward backend")
+    num_workers: int = Field(1, ge=1, description="reward pool processes")
+    timeout_s: float = Field(10.0, gt=0, description="per-call timeout; the worker is killed and replaced")
+    max_retries: int = Field(1, ge=0, description="retries of a timeout or error (local backend)")
+    threads: int = Field(1, ge=1, description="torch threads for the router process")
+
+
+class TrainerConfig(Strict):
+    """Decoupled PPO with GRPO advantages on fp32 master weights."""
+
+    max_steps: int = Field(60, ge=1, description="optimizer steps; one weight version each")
+    groups_per_step: int = Field(16, ge=1, description="B: groups per optimizer step")
+    group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="global grad-norm clip")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip, low side")
+    clip_eps_high: float = Field(0.28, gt=0, description="PPO ratio clip, high side")
+    dual_clip_c: float = Field(3.0, gt=1, description="dual clip bound for negative advantages")
+    behavior_cap: float = Field(2.0, gt=0, description="C: cap of the behaviour weight pi_prox/mu")
+    behavior_band: tuple[float, float] = Field((0.0, 10.0), description="mask tokens with pi_prox/mu outside")
+    advantage: Literal["grpo", "dr_grpo"] = Field("grpo", description="group normalisation scheme")
+    kl_coef: float = Field(0.0, ge=0, description="KL to the reference (base) policy; 0 disables")
+    checkpoint_every: int = Field(20, ge=1, description="write a resumable checkpoint every K steps")
+    seed: int = Field(0, description="trainer RNG seed")
+    threads: int = Field(1, ge=1, description="torch threads for the trainer")
+
+    @model_validator(mode="after")
+    def _band(self) -> TrainerConfig:
+        low, high = self.behavior_band
+        if not 0 <= low < high:
+            raise ValueError("trainer.behavior_band must be (low, high) with 0 <= low < high")
+        return self
+
+
+class PrecisionConfig(Strict):
+    """One precision flow shared by rollout and the trainer's forward pass (see ARCHITECTURE.md)."""
+
+    mode: Literal["fp32", "bf16", "fp8_unified"] = Field("fp32", description="numeric mode of block linears")
+    backend: Literal["fast"] = Field("fast", description="CPU GEMM backend")
+    fmt: Literal["e4m3"] = Field("e4m3", description="FP8 format")
+    weight_block: int = Field(128, description="weight quantization block (square)")
+    act_group: int = Field(128, description="activation quantization group along K")
+    scale_rounding: Literal["none", "pow2"] = Field("none", description="round scales up to a power of two")
+
+    @property
+    def precision_id(self) -> str:
+        """Hash of the precision config, stamped on every trajectory."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:12]
+
+
+class StalenessConfig(Strict):
+    mode: Literal["async", "sync"] = Field("async", description="sync is the barrier baseline (eta = 0)")
+    max_staleness: int = Field(2, ge=0, description="eta: admit while admitted <= (v + eta + 1) * B")
+
+    @property
+    def eta(self) -> int:
+        return 0 if self.mode == "sync" else self.max_staleness
+
+
+class StoreConfig(Strict):
+    type: Literal["local"] = Field("local", description="weight store backend")
+    root: str = Field("", description="store root; empty means <run-dir>/store")
+    keep_last: int = Field(3, ge=1, description="retention: versions kept besides checkpoints")
+
+
+class RedisConfig(Strict):
+    url: str | None = Field(None, description="Redis URL; None starts a private redis-server")
+    max_deliveries: int = Field(5, ge=1, description="deliveries before an entry goes to the dlq")
+    claim_idle_ms: int = Field(15000, ge=100, description="XAUTOCLAIM entries idle this long")
+    max_lag: int = Field(2048, ge=1, description="backpressure: producers wait while consumer lag exceeds")
+
+
+class EvalConfig(Strict):
+    num_problems: int = Field(200, ge=1, description="held-out problems per task for greedy accuracy")
+    every_steps: int = Field(0, ge=0, description="also evaluate every N steps (0: start and end only)")
+
+
+class LaunchConfig(Strict):
+    max_restarts: int = Field(3, ge=0, description="restarts of a dead service before the job fails")
+
+
+class JobConfig(Strict):
+    """A whole RL job. Every service reads the same validated config."""
+
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:8], description="namespaces streams")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tasks: list[TaskWeight] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _known_tasks(self) -> JobConfig:
+        from shared.tasks import TASKS
+
+        for i, task in enumerate(self.tasks):
+            if task.name not in TASKS:
+                raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")
+        if self.rollout.max_batch < self.trainer.group_size:
+            raise ValueError("rollout.max_batch must be >= trainer.group_size (a group decodes together)")
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+    node[keys[-1]] = yaml.safe_load(raw)
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    return f"invalid config: {where}: {msg}" if where else f"invalid config: {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
+    """Load YAML (or nothing, for defaults) and apply `a.b=c` overrides; raise ConfigError on any problem."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}".splitlines()[0]) from exc
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), raw)
+    return validate_config(tree)
+
+
+def validate_config(tree: dict[str, Any]) -> JobConfig:
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def config_to_json(config: JobConfig) -> str:
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True)

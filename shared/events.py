@@ -1,0 +1,146 @@
+"""Typed events and the one msgpack codec. Arrays travel as little-endian numpy buffers, never lists."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMAS = frozenset({1})
+
+ArrayDtype = Literal["<i4", "<f4", "<i8", "<u1"]
+RewardStatus = Literal["ok", "timeout", "error", "throttled", "env_fail"]
+
+
+class EventDecodeError(ValueError):
+    """Bytes that are not a valid jetroll event; the consumer dead-letters the entry with this message."""
+
+
+class Array(msgspec.Struct, array_like=True, frozen=True):
+    """A numpy array on the wire: dtype string, shape, raw little-endian bytes."""
+
+    dtype: ArrayDtype
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        expected = int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        if len(self.data) != expected:
+            raise ValueError(f"array of shape {self.shape} {self.dtype} needs {expected} bytes, got {len(self.data)}")
+
+    @classmethod
+    def of(cls, values: Any, dtype: ArrayDtype) -> Array:
+        arr = np.ascontiguousarray(np.asarray(values, dtype=np.dtype(dtype)))
+        return cls(dtype=dtype, shape=tuple(arr.shape), data=arr.tobytes())
+
+    def numpy(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+class Event(msgspec.Struct, tag_field="kind", kw_only=True):
+    schema: int = SCHEMA_VERSION
+    job_id: str
+
+    def __post_init__(self) -> None:
+        if self.schema not in SUPPORTED_SCHEMAS:
+            raise ValueError(f"unsupported schema {self.schema}; this build reads {sorted(SUPPORTED_SCHEMAS)}")
+
+
+# submit -> controller
+class JobEvent(Event, tag="job"):
+    config: dict[str, Any]
+    submitted_at: float = msgspec.field(default_factory=time.time)
+
+
+# controller -> rollout (one work item: a prompt sampled group_size times)
+class GroupEvent(Event, tag="group"):
+    group_id: str
+    task: str
+    pool: str
+    prompt: str
+    prompt_ids: Array
+    answer: str
+    group_size: int
+    v_adm: int
+    min_version: int = 0  # rollout swaps to at least this version before starting the group (sync barrier)
+
+
+# rollout -> reward router (one event per finished sample)
+class TrajectoryEvent(Event, tag="traj"):
+    traj_id: str  # "{group_id}:{sample}"
+    group_id: str
+    sample: int
+    task: str
+    pool: str
+    prompt: str
+    answer: str
+    prompt_ids: Array
+    completion_ids: Array
+    loss_mask: Array  # 1 = policy token, 0 = env/tool token
+    behavior_logprobs: Array  # mu_t: log_softmax(logits / T) over the full vocab, fp32
+    v_tok: Array  # weight version that produced each completion token
+    v_adm: int
+    group_size: int
+    temperature: float
+    top_p: float
+    precision_id: str
+    finish_reason: Literal["stop", "length"]
+    env_status: str = "ok"
+    worker: str = ""
+    timings: dict[str, float] = {}
+
+
+# reward router -> trainer
+class ScoredEvent(Event, tag="scored"):
+    trajectory: TrajectoryEvent
+    reward: float | None  # None unless status == "ok": a failure is never a reward
+    status: RewardStatus
+    attempts: int
+    backend: str
+    latency_s: float
+    details: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.status == "ok") != (self.reward is not None):
+            raise ValueError("a Scored event has a reward exactly when its status is 'ok'")
+
+
+# trainer -> rollout workers and controller (tailed, no consumer group)
+class WeightsPublishedEvent(Event, tag="weights"):
+    version: int
+    step: int
+    manifest_uri: str
+    shard_sha256: dict[str, str]
+    size_bytes: int
+    precision_id: str
+
+
+# every service -> controller (tailed)
+class MetricsEvent(Event, tag="metrics"):
+    service: str
+    name: str
+    value: float
+    step: int
+    time: float = msgspec.field(default_factory=time.time)
+
+
+AnyEvent = JobEvent | GroupEvent | TrajectoryEvent | ScoredEvent | WeightsPublishedEvent | MetricsEvent
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyEvent)
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> AnyEvent:
+    """Decode and validate; raises EventDecodeError naming what is wrong."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise EventDecodeError(str(exc)) from None
