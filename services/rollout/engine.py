@@ -1,0 +1,157 @@
+"""A CPU continuous-batching engine: prefill new sequences into free slots, decode all running ones.
+
+Running sequences always occupy slots [0, n), so a decode step attends over a view of the cache
+with no gather; a finished sequence's slot is refilled by moving the last one into it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.model import CausalLM, KVCache, load_state
+
+
+@dataclass(slots=True)
+class Request:
+    """One sample to generate. temperature == 0 means greedy."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # mu_t = log_softmax(logits / T)[token], untruncated
+    versions: list[int] = field(default_factory=list)  # weight version that produced each token
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Engine:
+    def __init__(self, model: CausalLM, eos_id: int, max_batch: int, max_len: int, seed: int = 0) -> None:
+        self.model = model.eval()
+        self.eos_id = eos_id
+        self.max_batch = max_batch
+        self.max_len = min(max_len, model.args.max_position_embeddings)
+        self.cache = KVCache(model.args, max_batch, self.max_len)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # running[i] lives in cache slot i
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.max_batch - len(self.running) - len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, requests: list[Request]) -> None:
+        for request in requests:
+            if len(request.prompt_ids) >= self.max_len:
+                raise ValueError(f"request {request.request_id}: prompt of {len(request.prompt_ids)} tokens "
+                                 f"does not fit the context of {self.max_len}")
+        self.waiting.extend(requests)
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Prefill what waits (if slots are free), else decode one token; return requests that finished."""
+        if self.waiting and len(self.running) < self.max_batch:
+            return self._prefill()
+        if self.running:
+            return self._decode()
+        return []
+
+    def generate(self, requests: list[Request]) -> list[Request]:
+        self.add(requests)
+        while self.has_work:
+            self.step()
+        return requests
+
+    @torch.inference_mode()
+    def swap_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool = True) -> None:
+        """Load new weights at a token boundary; in-flight sequences continue under them, tagged `version`."""
+        load_state(self.model, state)
+        self.version = version
+        if recompute_kv:
+            for slot, request in enumerate(self.running):
+                ids = (request.prompt_ids + request.output_ids)[:-1]
+                self.model(torch.tensor([ids]), torch.arange(len(ids)), self.cache, slot=slot)
+
+    def _prefill(self) -> list[Request]:
+        finished = []
+        while self.waiting and len(self.running) < self.max_batch:
+            first = self.waiting.popleft()
+            batch = [first]
+            # samples of one group share a prompt: prefill once, copy the cache to the siblings' slots
+            while (self.waiting and len(self.running) + len(batch) < self.max_batch
+                   and self.waiting[0].prompt_ids == first.prompt_ids):
+                batch.append(self.waiting.popleft())
+            slot = len(self.running)
+            prompt = first.prompt_ids
+            logits = self.model(torch.tensor([prompt]), torch.arange(len(prompt)), self.cache, slot=slot)
+            for i in range(1, len(batch)):
+                self.cache.copy_slot(slot, slot + i, len(prompt))
+            self.running.extend(batch)
+            finished += self._sample(batch, logits[:, -1].expand(len(batch), -1), first_slot=slot)
+        return finished
+
+    def _decode(self) -> list[Request]:
+        last = torch.tensor([[r.output_ids[-1]] for r in self.running])
+        positions = torch.tensor([r.num_tokens - 1 for r in self.running])
+        logits = self.model(last, positions, self.cache)
+        return self._sample(list(self.running), logits[:, 0], first_slot=0)
+
+    def _sample(self, batch: list[Request], logits: torch.Tensor, first_slot: int) -> list[Request]:
+        temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in batch])[:, None]
+        logprobs = torch.log_softmax(logits / temps, dim=-1)
+        tokens = self._choose(batch, logprobs)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        done = []
+        for request, token, logprob in zip(batch, tokens.tolist(), chosen, strict=True):
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(self.version)
+            if token == self.eos_id and not request.ignore_eos:
+                request.finish_reason = "stop"
+            elif len(request.output_ids) >= request.max_new_tokens or request.num_tokens >= self.max_len:
+                request.finish_reason = "length"
+            if request.finish_reason:
+                done.append(request)
+        for request in done:
+            self._release(self.running.index(request, first_slot))
+        return done
+
+    def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
+        probs = logprobs.exp()
+        top_p = torch.tensor([r.top_p for r in batch])
+        if bool((top_p < 1).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+            probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+        sampled = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        greedy = torch.tensor([r.temperature == 0 for r in batch])
+        return torch.where(greedy, logprobs.argmax(-1), sampled)
+
+    def _release(self, slot: int) -> None:
+        last = len(self.running) - 1
+        if slot != last:
+            moved = self.running[last]
+            self.cache.copy_slot(last, slot, moved.num_tokens)
+            self.running[slot] = moved
+        self.running.pop()

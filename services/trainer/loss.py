@@ -1,0 +1,128 @@
+"""The loss of jetroll: GRPO advantages and decoupled PPO with behaviour correction.
+
+Three policies appear per token (ARCHITECTURE.md, "Staleness and versions"):
+  mu      = behavior_logp, the rollout policy that sampled the token (possibly stale weights);
+  pi_prox = prox_logp, the trainer's own log-probs at the start of the step (no grad);
+  pi_theta = logp, the policy being optimised (has grad).
+The PPO ratio is taken against pi_prox; the gap between pi_prox and mu is corrected by a capped,
+stop-gradient importance weight, and tokens whose pi_prox/mu leaves a trusted band are masked.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from shared.config import TrainerConfig
+
+
+def group_advantages(rewards: torch.Tensor, kind: Literal["grpo", "dr_grpo"] = "grpo") -> torch.Tensor:
+    """Per-group advantages for rewards of shape [num_groups, group_size].
+
+    GRPO: (r - mean) / (std + 1e-6), with the population std of the group.
+    Dr.GRPO: r - mean (no std). A group with constant reward gets all-zero advantages.
+    """
+    rewards = rewards.float()
+    centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    if kind == "dr_grpo":
+        return centered
+    if kind == "grpo":
+        return centered / (rewards.std(dim=-1, unbiased=False, keepdim=True) + 1e-6)
+    raise ValueError(f"unknown advantage kind {kind!r}")
+
+
+def k3(delta: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator exp(d) - 1 - d, with d = log q - log p on samples of p; always >= 0."""
+    return torch.expm1(delta) - delta
+
+
+def ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: TrainerConfig,
+    *,
+    dr_grpo_denominator: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO loss over token tensors [B, T]; returns (scalar loss, float stats).
+
+    `advantages` is [B] (one per sequence, broadcast over tokens) or [B, T]. The summed token loss
+    is divided by the number of loss_mask == 1 tokens counted before band masking, or by the
+    constant `dr_grpo_denominator` (batch x max_new_tokens) when given.
+    """
+    mask = loss_mask.float()
+    adv = advantages.float()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    adv = adv.expand_as(logp)
+    num_tokens = mask.sum()
+    denom = float(dr_grpo_denominator) if dr_grpo_denominator is not None else num_tokens.clamp(min=1.0)
+    prox_logp = prox_logp.detach()
+    behavior_logp = behavior_logp.detach()
+
+    # PPO ratio against pi_prox, clipped asymmetrically; pessimistic min of the two surrogates.
+    ratio = torch.exp(logp - prox_logp)
+    clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
+    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    # Dual clip: for A < 0 the objective is floored at c * A, so the loss never exceeds -c * A.
+    dual = torch.maximum(surrogate, cfg.dual_clip_c * adv)
+    objective = torch.where(adv < 0, dual, surrogate)
+
+    # Behaviour correction: w = sg(min(pi_prox / mu, C)); mask tokens whose pi_prox / mu leaves the band.
+    behavior_ratio = torch.exp(prox_logp - behavior_logp)
+    weight = behavior_ratio.clamp(max=cfg.behavior_cap)
+    low, high = cfg.behavior_band
+    in_band = ((behavior_ratio >= low) & (behavior_ratio <= high)).float()
+    keep = mask * in_band
+
+    token_loss = -weight * objective
+    if cfg.kl_coef > 0 and ref_logp is not None:
+        kl_ref = k3(ref_logp.detach() - logp)  # k3 estimate of KL(pi_theta || pi_ref)
+        token_loss = token_loss + cfg.kl_coef * kl_ref
+    loss = torch.where(keep > 0, token_loss, 0.0).sum() / denom  # where, not *: padding may hold inf
+
+    # Stats, all over loss_mask tokens (the band statistics are what band masking removed).
+    with torch.no_grad():
+        n = num_tokens.clamp(min=1.0)
+
+        def mean(x: torch.Tensor, m: torch.Tensor = mask) -> float:
+            return float(torch.where(m > 0, x.float(), 0.0).sum() / m.sum().clamp(min=1.0))
+
+        clipped = (clipped_ratio * adv < ratio * adv).float()  # clipped side of the min was active
+        dual_clipped = ((adv < 0) & (cfg.dual_clip_c * adv > surrogate)).float()
+        any_token = mask > 0
+        stats = {
+            "loss": float(loss.detach()),
+            "clip_frac": mean(clipped),
+            "dual_clip_frac": mean(dual_clipped),
+            "is_weight_mean": mean(weight),
+            "is_weight_max": float(weight[any_token].max()) if any_token.any() else 0.0,
+            "is_ratio_max": float(behavior_ratio[any_token].max()) if any_token.any() else 0.0,
+            "is_capped_frac": mean((behavior_ratio > cfg.behavior_cap).float()),
+            "band_masked_frac": float((mask * (1.0 - in_band)).sum() / n),
+            "band_masked_tokens": float((mask * (1.0 - in_band)).sum()),
+            "policy_lag_k3": mean(k3(behavior_logp - prox_logp)),  # KL(pi_prox || mu) estimate
+            "approx_kl": mean(k3(prox_logp - logp.detach())),  # KL(pi_theta || pi_prox) estimate
+            "num_tokens": float(num_tokens),
+        }
+        if cfg.kl_coef > 0 and ref_logp is not None:
+            stats["kl_ref"] = mean(k3(ref_logp.detach() - logp.detach()))
+    return loss, stats
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
+) -> torch.Tensor:
+    """log_softmax(logits / T) at `targets`, in fp32: [B, T, V], [B, T] -> [B, T].
+
+    `temperature` is a float or a per-sequence tensor [B] (the temperature recorded on each trajectory).
+    """
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1, 1, 1)
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

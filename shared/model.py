@@ -1,0 +1,283 @@
+"""A compact Qwen2/Llama-compatible causal LM (RMSNorm, RoPE, GQA, SwiGLU) with HF-format I/O.
+
+The trainer's full-sequence forward and the rollout engine's KV-cache decode run the same modules;
+every block linear goes through `shared.precision`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from shared.config import PrecisionConfig
+from shared.precision import PrecisionLinear
+from shared.tokenizer import Tokenizer, load_tokenizer
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool = True  # Qwen2 has q/k/v biases, Llama has none
+    model_type: str = "qwen2"
+    eos_token_id: int = 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelArgs:
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        if config.get("head_dim", hidden // heads) != hidden // heads:
+            raise ValueError("head_dim != hidden_size / num_attention_heads is not supported")
+        eos = config.get("eos_token_id", 1)
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads", heads),
+            intermediate_size=config["intermediate_size"],
+            max_position_embeddings=config["max_position_embeddings"],
+            rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 1e4))),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=config.get("attention_bias", model_type == "qwen2"),
+            model_type=model_type,
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]
+        config = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "eos_token_id": self.eos_token_id,
+            "bos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+            "use_sliding_window": False,
+        }
+        if self.model_type == "llama":
+            config["attention_bias"] = self.attention_bias
+        return config
+
+
+class KVCache:
+    """Preallocated per-slot caches: k[layer] and v[layer] are [num_slots, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, args: ModelArgs, num_slots: int, max_len: int) -> None:
+        shape = (num_slots, args.num_kv_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape) for _ in range(args.num_layers)]
+        self.v = [torch.zeros(shape) for _ in range(args.num_layers)]
+        self.max_len = max_len
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        kv_dim = args.num_kv_heads * args.head_dim
+        self.q_proj = PrecisionLinear(args.hidden_size, args.hidden_size, args.attention_bias, precision)
+        self.k_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision)
+        self.v_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision)
+        self.o_proj = PrecisionLinear(args.hidden_size, args.hidden_size, False, precision)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerView | None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v, mask = cache.update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision)
+        self.up_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision)
+        self.down_proj = PrecisionLinear(args.intermediate_size, args.hidden_size, False, precision)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, precision)
+        self.mlp = MLP(args, precision)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerView | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LayerView:
+    """Where one forward writes its K/V: slots [0, n) decoding one token each, or one slot prefilling."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, slot: int | None) -> None:
+        self.k_cache, self.v_cache, self.positions, self.slot = k_cache, v_cache, positions, slot
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.slot is not None:  # prefill: one sequence, positions 0..S-1
+            seq = k.shape[2]
+            self.k_cache[self.slot, :, :seq] = k[0]
+            self.v_cache[self.slot, :, :seq] = v[0]
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+            return k, v, mask
+        n = k.shape[0]
+        rows = torch.arange(n)
+        self.k_cache[rows, :, self.positions] = k[:, :, 0]
+        self.v_cache[rows, :, self.positions] = v[:, :, 0]
+        length = int(self.positions.max()) + 1
+        mask = (torch.arange(length)[None, :] <= self.positions[:, None])[:, None, None, :]  # [n, 1, 1, L]
+        return self.k_cache[:n, :, :length], self.v_cache[:n, :, :length], mask
+
+
+class CausalLM(nn.Module):
+    """Module names mirror HF's (`model.layers.N.self_attn.q_proj`), so state dicts load as they are."""
+
+    def __init__(self, args: ModelArgs, precision: PrecisionConfig | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.precision = precision or PrecisionConfig()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(args, self.precision) for _ in range(args.num_layers))
+        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
+        return emb.cos(), emb.sin()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slot: int | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, S, V] in fp32.
+
+        No cache: a causal full-sequence forward (training, scoring). With a cache and `slot`: prefill
+        one sequence [1, S] into that slot. With a cache and no slot: decode one token [n, 1] for
+        slots 0..n-1 at `positions` [n].
+        """
+        bsz, seq = input_ids.shape
+        if positions is None:
+            positions = torch.arange(seq).expand(bsz, seq)
+        elif positions.dim() == 1:
+            positions = positions[:, None] if slot is None else positions[None, :]
+        cos, sin = self._rope(positions)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            view = None
+            if cache is not None:
+                view = LayerView(cache.k[i], cache.v[i], positions[:, 0] if slot is None else positions[0], slot)
+            x = layer(x, cos, sin, view)
+        return self.lm_head(self.model.norm(x)).float()
+
+
+def save_pretrained(model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path) -> None:
+    """Write an HF-format directory: config.json, model.safetensors and the tokenizer files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(model.args.to_hf(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def load_pretrained(directory: str | Path, precision: PrecisionConfig | None = None) -> tuple[CausalLM, Tokenizer]:
+    """Load any HF-format Qwen2/Llama directory (safetensors shards) into a CausalLM on the CPU, fp32."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json")
+    args = ModelArgs.from_hf(json.loads(config_path.read_text()))
+    model = CausalLM(args, precision)
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+    load_state(model, {k: v for shard in shards for k, v in load_file(str(shard)).items()})
+    return model, load_tokenizer(directory)
+
+
+def load_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
+    """Copy tensors into the model in place (keeps parameter identity, so optimizers stay valid)."""
+    if model.args.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.args.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
