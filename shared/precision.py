@@ -18,7 +18,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 SCALE_EPS = 1e-12
 
 
-def quantize(x: torch.Tensor, block_rows: int, block_cols: int, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, block_rows: int, block_cols: int, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise e4m3 quantization of a 2-D tensor.
 
     Returns q (e4m3, same shape as x) and the dequantization multipliers `scale_inv` of shape
