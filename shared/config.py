@@ -65,7 +65,8 @@ class RolloutConfig(Strict):
     pool: str = Field("default", description="hardware pool this worker serves")
     num_workers: int = Field(1, ge=1, description="rollout worker processes")
     max_batch: int = Field(128, ge=1, description="decode slots per worker")
-    max_new_tokens: int = Field(16, ge=1, description="generation cap per sample")
+    max_new_tokens: int = Field(1024, ge=1, description="generation cap per sample; tasks ask for less")
+    max_seq_len: int = Field(1024, ge=16, description="KV-cache length per slot (prompt + completion)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (mu is log-softmax(logits / T))")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; mu stays the untruncated log-prob")
     recompute_kv_on_swap: bool = Field(True, description="recompute in-flight KV caches after a weight swap")
@@ -144,7 +145,7 @@ class StoreConfig(Strict):
 class RedisConfig(Strict):
     url: str | None = Field(None, description="Redis URL; None starts a private redis-server")
     max_deliveries: int = Field(5, ge=1, description="deliveries before an entry goes to the dlq")
-    claim_idle_ms: int = Field(15000, ge=100, description="XAUTOCLAIM entries idle this long")
+    claim_idle_ms: int = Field(30000, ge=100, description="XAUTOCLAIM entries idle this long")
     max_lag: int = Field(2048, ge=1, description="backpressure: producers wait while consumer lag exceeds")
 
 

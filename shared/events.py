@@ -64,6 +64,7 @@ class GroupEvent(Event, tag="group"):
     prompt_ids: Array
     answer: str
     group_size: int
+    max_new_tokens: int
     v_adm: int
     min_version: int = 0  # rollout swaps to at least this version before starting the group (sync barrier)
 

@@ -1,0 +1,51 @@
+"""Reward registry: a reward is a pure `(completion, answer) -> RewardOutput` function added with @reward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["REWARDS", "RewardFn", "RewardOutput", "get_reward", "reward"]
+
+
+@dataclass(frozen=True, slots=True)
+class RewardOutput:
+    """What a reward function returns: a reward in [0, 1] and whether the completion is exactly right."""
+
+    reward: float
+    correct: bool
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reward <= 1.0:
+            raise ValueError(f"reward must be in [0, 1], got {self.reward}")
+
+
+RewardFn = Callable[[str, str], RewardOutput]
+
+REWARDS: dict[str, RewardFn] = {}
+
+
+def reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register the decorated function as the reward called `name`."""
+
+    def register(fn: RewardFn) -> RewardFn:
+        existing = REWARDS.get(name)
+        if existing is not None and existing is not fn:
+            where = f"{existing.__module__}.{existing.__name__}"
+            raise ValueError(f"reward {name!r} is already registered ({where})")
+        REWARDS[name] = fn
+        return fn
+
+    return register
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function called `name`; ValueError listing the valid names otherwise."""
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; valid: {sorted(REWARDS)}") from None
+
+
+# The built-in rewards register themselves on import; imported last because they import this module.
+import functions.rewards  # noqa: E402, F401

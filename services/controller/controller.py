@@ -1,0 +1,137 @@
+"""The controller: admits groups under the staleness bound, aggregates metrics, evaluates, summarises."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+from services.controller.admission import Admission
+from services.controller.progress import MetricsBook, ProgressView, plot_curves
+from services.evaluate import evaluate
+from shared.bus import RedisBus
+from shared.config import JobConfig
+from shared.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
+from shared.model import load_pretrained
+from shared.store import WeightStore
+from shared.tasks import get_task
+from shared.tokenizer import load_tokenizer
+
+log = logging.getLogger("jetroll.controller")
+
+WATCHED_STREAMS = (("traj:raw", "reward"), ("traj:scored", "trainer"))
+
+
+class Controller:
+    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, run_dir: Path) -> None:
+        self.config = config
+        self.bus = bus
+        self.store = store
+        self.run_dir = run_dir
+        trainer = config.trainer
+        self.admission = Admission(trainer.groups_per_step, config.staleness.eta, trainer.max_steps)
+        self.task_names = [t.name for t in config.tasks]
+        self.task_weights = [t.weight for t in config.tasks]
+        self.rng = random.Random(trainer.seed)
+        assert config.model.path, "the launcher resolves model.path before services start"
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.book = MetricsBook(run_dir)
+        self.version = 0
+        self.group_stream = f"groups:{config.rollout.pool}"
+
+    async def run(self) -> dict:
+        started = time.time()
+        while (latest := await self.store.latest()) is None:
+            await asyncio.sleep(0.2)
+        accuracy_before = await self._evaluate(latest)
+        weights_id = metrics_id = "0-0"
+        with ProgressView(self.book, self.config.trainer.max_steps, self.task_names) as view:
+            while self.version < self.config.trainer.max_steps:
+                await self._admit()
+                weights_id, events = await self.bus.tail("weights", weights_id, block_ms=0)
+                for event in events:
+                    if isinstance(event, WeightsPublishedEvent):
+                        self.version = view.version = max(self.version, event.version)
+                metrics_id, events = await self.bus.tail("metrics", metrics_id, block_ms=100, count=1000)
+                for event in events:
+                    if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
+                        view.stream_lags = await self._stream_lags()
+                        view.update(row)
+                        every = self.config.eval.every_steps
+                        if every and int(row["step"]) % every == 0 and int(row["step"]) < self.config.trainer.max_steps:
+                            await self._evaluate(int(row["step"]))
+                self.admission.num_dropped = self.book.num_dropped
+                view.update()
+        accuracy_after = await self._evaluate(self.version)
+        summary = self._summary(accuracy_before, accuracy_after, time.time() - started)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
+        return summary
+
+    async def _admit(self) -> None:
+        num = self.admission.num_allowed(self.version)
+        if num == 0:
+            return
+        is_sync = self.config.staleness.mode == "sync"
+        events = []
+        for _ in range(num):
+            task = get_task(self.rng.choices(self.task_names, weights=self.task_weights)[0])
+            problem = task.sample(self.rng)
+            # the counter lives in Redis so a restarted controller never reuses a group_id
+            index = await self.bus.redis.incr(self.bus.key("num_admitted"))
+            events.append(GroupEvent(
+                job_id=self.config.job_id, group_id=f"g{index:07d}", task=task.name, pool=self.config.rollout.pool,
+                prompt=problem.prompt, prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
+                answer=problem.answer, group_size=self.config.trainer.group_size,
+                max_new_tokens=task.max_new_tokens, v_adm=self.version,
+                min_version=self.version if is_sync else 0))
+        await self.bus.publish_many(self.group_stream, events)
+        self.admission.num_admitted += num
+
+    async def _evaluate(self, version: int) -> dict[str, float]:
+        directory = await self.store.fetch(version)
+
+        def run() -> dict[str, float]:
+            model, tokenizer = load_pretrained(directory, self.config.precision)
+            return evaluate(model, tokenizer, self.task_names, self.config.eval.num_problems)
+
+        accuracy = await asyncio.to_thread(run)
+        self.book.evals.append({"version": version, **accuracy})
+        with (self.run_dir / "eval.jsonl").open("a") as f:
+            f.write(json.dumps({"version": version, **accuracy}) + "\n")
+        log.info("held-out accuracy at v%d: %s", version, accuracy)
+        return accuracy
+
+    async def _stream_lags(self) -> dict[str, int]:
+        lags = {}
+        for stream, group in ((self.group_stream, "rollout"), *WATCHED_STREAMS):
+            try:
+                lags[stream] = await self.bus.lag(stream, group)
+            except ValueError:  # the consumer group is not created yet
+                lags[stream] = 0
+        return lags
+
+    def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+        mismatch, coverage = self.book.mismatch()
+        return {
+            "job_id": self.config.job_id,
+            "steps": self.version,
+            "accuracy_before": sum(before.values()) / len(before),
+            "accuracy_after": sum(after.values()) / len(after),
+            "accuracy_before_per_task": before,
+            "accuracy_after_per_task": after,
+            "num_eval_problems": self.config.eval.num_problems,
+            "rollout_tokens_per_s": self.book.rollout_tokens_per_s(),
+            "mismatch_mean_abs_logprob": mismatch,
+            "mismatch_coverage": coverage,
+            "groups_admitted": self.admission.num_admitted,
+            "groups_dropped": self.book.num_dropped,
+            "dropped_by_status": {
+                k.split("/", 1)[1]: v for k, v in self.book.totals.items() if k.startswith("dropped/")},
+            "precision": self.config.precision.mode,
+            "staleness": self.config.staleness.model_dump(),
+            "wall_time_s": wall_s,
+        }

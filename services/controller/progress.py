@@ -1,0 +1,136 @@
+"""Metrics aggregation, the live console view, metrics.jsonl and the final PNG plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from shared.events import MetricsEvent
+
+
+class MetricsBook:
+    """Collects Metrics events; one row per trainer step goes to metrics.jsonl when the step is done."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.steps: dict[int, dict[str, float]] = defaultdict(dict)
+        self.rows: list[dict[str, float]] = []
+        self.latest: dict[str, float] = {}  # service/name -> last value (rollout throughput etc.)
+        self.totals: dict[str, float] = defaultdict(float)
+        self.evals: list[dict[str, float]] = []
+        self.started = time.time()
+
+    def add(self, event: MetricsEvent) -> dict[str, float] | None:
+        if event.service != "trainer":
+            self.latest[f"{event.service}/{event.name}"] = event.value
+            return None
+        if event.name.startswith("dropped/"):
+            self.totals[event.name] += event.value
+            return None
+        if event.name != "step_done":
+            self.steps[event.step][event.name] = event.value
+            return None
+        row = {"step": event.step, "time_s": event.time - self.started, **self.steps.pop(event.step, {}),
+               "rollout_tokens_per_s": self.rollout_tokens_per_s()}
+        for key in ("mismatch_abs_sum", "mismatch_tokens", "num_policy_tokens"):
+            self.totals[key] += row.get(key, 0.0)
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
+
+    def rollout_tokens_per_s(self) -> float:
+        return sum(v for k, v in self.latest.items() if k.endswith("/tokens_per_s"))
+
+    @property
+    def num_dropped(self) -> int:
+        return int(sum(v for k, v in self.totals.items() if k.startswith("dropped/")))
+
+    def mismatch(self) -> tuple[float, float]:
+        """Mean |logp_trainer - mu| over same-version tokens, and that coverage fraction."""
+        tokens = self.totals["mismatch_tokens"]
+        mean = self.totals["mismatch_abs_sum"] / tokens if tokens else float("nan")
+        return mean, tokens / max(self.totals["num_policy_tokens"], 1.0)
+
+
+class ProgressView:
+    """A rich live table on a terminal; one plain line per step elsewhere (CI logs)."""
+
+    def __init__(self, book: MetricsBook, max_steps: int, tasks: list[str]) -> None:
+        self.book, self.max_steps, self.tasks = book, max_steps, tasks
+        self.console = Console()
+        self.is_live = sys.stdout.isatty()
+        self.live = Live(console=self.console, refresh_per_second=2) if self.is_live else None
+        self.stream_lags: dict[str, int] = {}
+        self.version = 0
+
+    def __enter__(self) -> ProgressView:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self, row: dict[str, float] | None = None) -> None:
+        if self.live:
+            self.live.update(self._table())
+        elif row is not None:
+            parts = [f"step {int(row['step'])}/{self.max_steps}"]
+            for task in self.tasks:
+                parts.append(f"{task}: reward {row.get(f'reward/{task}', float('nan')):.3f} "
+                             f"acc {row.get(f'accuracy/{task}', float('nan')):.3f}")
+            parts.append(f"tok/s {row['rollout_tokens_per_s']:.0f} lag {row.get('lag_mean', 0):.2f} "
+                         f"mismatch {row.get('precision_mismatch', float('nan')):.2e}")
+            print(" | ".join(parts), flush=True)
+
+    def _table(self) -> Table:
+        row = self.book.rows[-1] if self.book.rows else {}
+        table = Table(title=f"jetroll  step {int(row.get('step', 0))}/{self.max_steps}  version {self.version}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for task in self.tasks:
+            table.add_row(f"{task} reward", f"{row.get(f'reward/{task}', float('nan')):.3f}")
+            table.add_row(f"{task} accuracy (train)", f"{row.get(f'accuracy/{task}', float('nan')):.3f}")
+        for ev in self.book.evals[-1:]:
+            for task in self.tasks:
+                table.add_row(f"{task} held-out accuracy (v{int(ev['version'])})", f"{ev.get(task, float('nan')):.3f}")
+        table.add_row("rollout tokens/s", f"{self.book.rollout_tokens_per_s():.0f}")
+        table.add_row("lag mean / max", f"{row.get('lag_mean', 0):.2f} / {row.get('lag_max', 0):.0f}")
+        table.add_row("precision mismatch |dlogp|", f"{row.get('precision_mismatch', float('nan')):.2e}")
+        table.add_row("dropped groups", str(self.book.num_dropped))
+        for stream, lag in self.stream_lags.items():
+            table.add_row(f"lag {stream}", str(lag))
+        return table
+
+
+def plot_curves(book: MetricsBook, tasks: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in book.rows]
+    for task in tasks:
+        ax_reward.plot(steps, [r.get(f"reward/{task}", float("nan")) for r in book.rows], label=task)
+        ax_acc.plot(steps, [r.get(f"accuracy/{task}", float("nan")) for r in book.rows], alpha=0.5,
+                    label=f"{task} (train batch)")
+        ax_acc.plot([e["version"] for e in book.evals], [e.get(task, float("nan")) for e in book.evals], "o-",
+                    label=f"{task} (held-out, greedy)")
+    ax_reward.set(title="reward", xlabel="step")
+    ax_acc.set(title="accuracy", xlabel="step", ylim=(0, 1))
+    for ax in (ax_reward, ax_acc):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,213 @@
+"""The tiny base model: a char-level Qwen2-type CausalLM, warm-started by a short supervised pass.
+
+The result is a pure function of `ModelConfig` (seeded init, data and order), cached by the config's hash
+under `cache_dir`, and published atomically with `os.rename` so no reader ever sees half a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.evaluate import evaluate
+from shared.config import ModelConfig
+from shared.model import CausalLM, ModelArgs, save_pretrained
+from shared.tasks import get_task
+from shared.tokenizer import Tokenizer, build_char_tokenizer
+
+WARMSTART_FILE = "warmstart.json"
+EVAL_PROBLEMS = 200
+INIT_STD = 0.02
+IGNORE_INDEX = -100
+
+
+def model_args(config: ModelConfig, tokenizer: Tokenizer) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=config.tie_word_embeddings,
+        model_type="qwen2",
+        eos_token_id=tokenizer.eos_id,
+    )
+
+
+def init_weights(model: CausalLM) -> None:
+    """HF-style init: N(0, 0.02) matrices and embeddings, zero biases, unit norms."""
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.zeros_(param)
+        elif "norm" in name:
+            torch.nn.init.ones_(param)
+        else:
+            torch.nn.init.normal_(param, std=INIT_STD)
+
+
+def sft_batch(
+    tokenizer: Tokenizer, task_names: list[str], batch_size: int, rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs [B, S] and targets [B, S]: targets are the completion + EOS, prompts and padding ignored."""
+    rows = []
+    for _ in range(batch_size):
+        task = get_task(rng.choice(task_names))
+        problem = task.sample(rng)
+        prompt = tokenizer.encode(problem.prompt)
+        target = tokenizer.encode(task.sft_completion(problem)) + [tokenizer.eos_id]
+        rows.append((prompt, target))
+    seq = max(len(p) + len(t) for p, t in rows) - 1
+    inputs = torch.full((batch_size, seq), tokenizer.pad_id, dtype=torch.long)
+    targets = torch.full((batch_size, seq), IGNORE_INDEX, dtype=torch.long)
+    for i, (prompt, target) in enumerate(rows):
+        ids = prompt + target
+        inputs[i, : len(ids) - 1] = torch.tensor(ids[:-1])
+        targets[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(target)
+    return inputs, targets
+
+
+def lr_at(step: int, num_steps: int, peak_lr: float) -> float:
+    """Linear warmup over the first 5% of steps, then cosine decay to 10% of the peak."""
+    warmup = max(1, num_steps // 20)
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, num_steps - warmup)
+    return peak_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+        disable=not enabled,
+    )
+
+
+def _loss_summary(losses: list[float]) -> dict[str, Any]:
+    if not losses:
+        return {"first": None, "final": None, "min": None, "curve": []}
+    tail = losses[-max(1, len(losses) // 10) :]
+    every = max(1, len(losses) // 20)
+    return {
+        "first": losses[0],
+        "final": sum(tail) / len(tail),
+        "min": min(losses),
+        "curve": [[step, losses[step]] for step in range(0, len(losses), every)],
+    }
+
+
+def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) -> dict[str, Any]:
+    """Build, warm-start, evaluate and save the tiny base model into `out_dir`; return the warmstart info."""
+    start_s = time.perf_counter()
+    warm = config.warm_start
+    for name in warm.tasks:
+        get_task(name)
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(warm.seed)
+    rng = random.Random(warm.seed)
+    model = CausalLM(model_args(config, tokenizer))
+    init_weights(model)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    losses: list[float] = []
+    with _progress(progress) as bar:
+        job = bar.add_task("warm start", total=warm.steps, loss=float("nan"))
+        for step in range(warm.steps):
+            inputs, targets = sft_batch(tokenizer, warm.tasks, warm.batch_size, rng)
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, warm.steps, warm.lr)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            bar.update(job, advance=1, loss=losses[-1])
+    train_s = time.perf_counter() - start_s
+    accuracy = evaluate(model, tokenizer, warm.tasks, EVAL_PROBLEMS)
+    out_dir = Path(out_dir)
+    save_pretrained(model, tokenizer, out_dir)
+    info = {
+        "steps": warm.steps,
+        "seed": warm.seed,
+        "batch_size": warm.batch_size,
+        "lr": warm.lr,
+        "tasks": warm.tasks,
+        "eval_problems": EVAL_PROBLEMS,
+        "accuracy": accuracy,
+        "loss": _loss_summary(losses),
+        "train_s": round(train_s, 2),
+        "wall_s": round(time.perf_counter() - start_s, 2),
+        "model_hash": config_hash(config),
+    }
+    (out_dir / WARMSTART_FILE).write_text(json.dumps(info, indent=2))
+    return info
+
+
+def config_hash(config: ModelConfig) -> str:
+    """sha256 of the model config JSON, without `path` and `cache_dir` (they don't change the weights)."""
+    tree = config.model_dump(mode="json", exclude={"path", "cache_dir"})
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_model_dir(config: ModelConfig) -> Path:
+    return Path(config.cache_dir).expanduser() / f"base-{config_hash(config)}"
+
+
+def ensure_base_model(config: ModelConfig, progress: bool = True) -> Path:
+    """The model dir: `config.path` if set (must hold config.json), else the cached tiny model, built once."""
+    if config.path is not None:
+        path = Path(config.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {path} is not an HF-format model dir (no config.json there)")
+        return path
+    final = cached_model_dir(config)
+    if (final / WARMSTART_FILE).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build_base_model(config, tmp, progress=progress)
+        os.rename(tmp, final)
+    except OSError:
+        # another process published the same model first: its copy is identical, keep it
+        if not (final / WARMSTART_FILE).is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main(config: ModelConfig, force: bool = False) -> None:
+    """`jetroll init-model`: build (or reuse) the base model and print where it is and how good it is."""
+    if force and config.path is None:
+        shutil.rmtree(cached_model_dir(config), ignore_errors=True)
+    path = ensure_base_model(config)
+    info_path = path / WARMSTART_FILE
+    print(f"base model: {path}")
+    if info_path.is_file():
+        info = json.loads(info_path.read_text())
+        accuracy = ", ".join(f"{name} {acc:.1%}" for name, acc in info["accuracy"].items())
+        print(f"warm start: {info['steps']} steps, seed {info['seed']}, {info['wall_s']:.0f} s; held-out greedy "
+              f"accuracy: {accuracy}")
+    else:
+        print("no warmstart.json: a user-supplied model")

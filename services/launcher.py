@@ -1,0 +1,128 @@
+"""The local launcher: a private redis-server and every service as a supervised child process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from shared.config import JobConfig, validate_config
+
+POLL_S = 0.5
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class Service:
+    name: str  # also the base of the consumer name
+    kind: str  # controller | rollout | reward | trainer
+    process: subprocess.Popen | None = None
+    num_restarts: int = 0
+    is_done: bool = False
+    log: IO[bytes] | None = field(default=None, repr=False)
+
+
+class Launcher:
+    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.redis_url = redis_url
+        self.config_path = run_dir / "config.json"
+        self.config_path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        (run_dir / "logs").mkdir(exist_ok=True)
+        rollouts = [Service(f"rollout-{i}", "rollout") for i in range(config.rollout.num_workers)]
+        self.services = [Service("trainer", "trainer"), Service("reward", "reward"), *rollouts,
+                         Service("controller", "controller")]
+
+    def start(self, service: Service) -> None:
+        consumer = service.name if not service.num_restarts else f"{service.name}-r{service.num_restarts}"
+        cmd = [sys.executable, "-m", "services.cli", service.kind, "--config", str(self.config_path),
+               "--redis-url", self.redis_url, "--consumer", consumer, "--run-dir", str(self.run_dir)]
+        if service.log is None:
+            service.log = (self.run_dir / "logs" / f"{service.name}.log").open("ab")
+        # the controller owns the console (progress view); the others log to files
+        out = None if service.kind == "controller" else service.log
+        # own session: a Ctrl-C reaches only the launcher, which then stops every child in order
+        service.process = subprocess.Popen(cmd, stdout=out, stderr=service.log, start_new_session=True)
+
+    def supervise(self) -> int:
+        """Run until the controller finishes (0) or a service dies more than max_restarts times (1)."""
+        for service in self.services:
+            self.start(service)
+        while True:
+            time.sleep(POLL_S)
+            for service in self.services:
+                code = service.process.poll() if service.process and not service.is_done else None
+                if code is None:
+                    continue
+                if code == 0 and service.kind in ("controller", "trainer"):
+                    service.is_done = True
+                    if service.kind == "controller":
+                        return 0
+                    continue
+                if service.num_restarts >= self.config.launch.max_restarts:
+                    print(f"jetroll: service {service.name} died (exit {code}) after {service.num_restarts} "
+                          f"restarts; see {self.run_dir / 'logs' / (service.name + '.log')}", file=sys.stderr)
+                    return 1
+                service.num_restarts += 1
+                print(f"jetroll: service {service.name} died (exit {code}); restart "
+                      f"{service.num_restarts}/{self.config.launch.max_restarts}", file=sys.stderr)
+                self.start(service)
+
+    def stop(self) -> None:
+        live = [s.process for s in self.services if s.process and s.process.poll() is None]
+        for process in live:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in live:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for service in self.services:
+            if service.log:
+                service.log.close()
+
+
+def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:
+    """`jetroll run`: build/find the base model, start Redis unless given, run the services to the end."""
+    from services.init_model import ensure_base_model
+    from services.redis_server import RedisServer
+
+    run_dir = (run_dir or Path("runs") / config.job_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = ensure_base_model(config.model)
+    store_root = config.store.root or str(run_dir / "store")
+    tree = config.model_dump(mode="json")
+    tree["model"]["path"] = str(Path(model_path).resolve())
+    tree["store"]["root"] = str(Path(store_root).resolve())
+    config = validate_config(tree)
+
+    server = None
+    redis_url = redis_url or config.redis.url
+    if redis_url is None:
+        server = RedisServer().start()
+        redis_url = server.url
+    launcher = Launcher(config, run_dir, redis_url)
+    print(f"jetroll: job {config.job_id} in {run_dir} (redis {redis_url}, pid {os.getpid()})", file=sys.stderr)
+    try:
+        code = launcher.supervise()
+    except KeyboardInterrupt:
+        print("jetroll: interrupted; stopping services", file=sys.stderr)
+        code = 130
+    finally:
+        launcher.stop()
+        if server is not None:
+            server.stop()
+    if code == 0:
+        print(f"jetroll: done; see {run_dir / 'summary.json'}", file=sys.stderr)
+    return code

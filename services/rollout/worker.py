@@ -1,0 +1,171 @@
+"""Rollout worker: Group work items in, one Trajectory event per finished sample out, weights hot-swapped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load_file
+
+from services.rollout.engine import Engine, Request
+from shared.bus import RedisBus
+from shared.config import JobConfig
+from shared.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
+from shared.model import load_pretrained
+from shared.store import WeightStore, WeightStoreError
+
+log = logging.getLogger("jetroll.rollout")
+
+REWARD_GROUP = "reward"
+
+
+@dataclass(slots=True)
+class InFlightGroup:
+    event: GroupEvent
+    entry_id: str
+    num_pending: int
+    started_at: float = field(default_factory=time.time)
+
+
+class RolloutWorker:
+    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, consumer: str) -> None:
+        self.config = config
+        self.bus = bus
+        self.store = store
+        self.consumer = consumer
+        self.stream = f"groups:{config.rollout.pool}"
+        self.groups: dict[str, InFlightGroup] = {}
+        self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.engine: Engine | None = None
+        self.num_tokens = 0
+        self.busy_s = 0.0
+
+    async def run(self) -> None:
+        await self.bus.ensure_group(self.stream, "rollout")
+        version = await self._wait_for_weights()
+        model, self.tokenizer = load_pretrained(await self.store.fetch(version), self.config.precision)
+        self.engine = Engine(model, self.tokenizer.eos_id, self.config.rollout.max_batch,
+                             self.config.rollout.max_seq_len, seed=hash(self.consumer) % (1 << 31))
+        self.engine.version = version
+        log.info("%s serving version %d", self.consumer, version)
+        watcher = asyncio.create_task(self._watch_weights())
+        try:
+            await self._loop()
+        finally:
+            watcher.cancel()
+
+    async def _wait_for_weights(self) -> int:
+        while (version := await self.store.latest()) is None:
+            await asyncio.sleep(0.2)
+        return version
+
+    async def _watch_weights(self) -> None:
+        """Tail the weights stream; load a newer version in the background, swap at the next token boundary."""
+        last_id = "0-0"
+        while True:
+            last_id, events = await self.bus.tail("weights", last_id, block_ms=1000)
+            newest = max((e for e in events if isinstance(e, WeightsPublishedEvent)), key=lambda e: e.version,
+                         default=None)
+            if newest is not None and newest.version > self._current_version():
+                await self._load(newest.version)
+
+    def _current_version(self) -> int:
+        assert self.engine is not None
+        return self.pending_weights[0] if self.pending_weights else self.engine.version
+
+    async def _load(self, version: int) -> None:
+        try:
+            directory = await self.store.fetch(version)
+            state = await asyncio.to_thread(
+                lambda: {k: v for p in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(p)).items()})
+        except (WeightStoreError, OSError, ValueError) as exc:
+            log.error("refusing weights v%d, keeping v%d: %s", version, self._current_version(), exc)
+            return
+        self.pending_weights = (version, state)
+
+    async def _loop(self) -> None:
+        assert self.engine is not None
+        engine, rollout = self.engine, self.config.rollout
+        while True:
+            if self.pending_weights is not None:
+                version, state = self.pending_weights
+                self.pending_weights = None
+                engine.swap_weights(state, version, recompute_kv=rollout.recompute_kv_on_swap)
+                await self._metric("weight_version", version)
+            group_size = self.config.trainer.group_size
+            if engine.num_free_slots >= group_size:
+                deliveries = await self.bus.consume(self.stream, "rollout", self.consumer,
+                                                    count=engine.num_free_slots // group_size,
+                                                    block_ms=0 if engine.has_work else 200)
+                for delivery in deliveries:
+                    assert isinstance(delivery.event, GroupEvent)
+                    await self._start(delivery.event, delivery.entry_id)
+            if not engine.has_work:
+                continue
+            started = time.perf_counter()
+            finished = await asyncio.to_thread(engine.step)
+            self.busy_s += time.perf_counter() - started
+            if finished:
+                await self._emit(finished)
+
+    async def _start(self, group: GroupEvent, entry_id: str) -> None:
+        assert self.engine is not None
+        if group.group_id in self.groups:  # our own entry, reclaimed while still in flight
+            return
+        if group.min_version > self._current_version():
+            await self._load(await self.store.latest() or group.min_version)
+            if self.pending_weights is not None:
+                version, state = self.pending_weights
+                self.pending_weights = None
+                self.engine.swap_weights(state, version, self.config.rollout.recompute_kv_on_swap)
+        prompt_ids = group.prompt_ids.numpy().tolist()
+        max_new = min(group.max_new_tokens, self.engine.max_len - len(prompt_ids))
+        self.groups[group.group_id] = InFlightGroup(group, entry_id, group.group_size)
+        self.engine.add([
+            Request(f"{group.group_id}:{i}", prompt_ids, max_new, self.config.rollout.temperature,
+                    self.config.rollout.top_p)
+            for i in range(group.group_size)
+        ])
+
+    async def _emit(self, finished: list[Request]) -> None:
+        await self.bus.wait_for_capacity("traj:raw", REWARD_GROUP, self.config.redis.max_lag)
+        events, done_groups = [], []
+        for request in finished:
+            group_id, sample = request.request_id.rsplit(":", 1)
+            flight = self.groups[group_id]
+            events.append(self._trajectory(flight.event, int(sample), request))
+            self.num_tokens += len(request.output_ids)
+            flight.num_pending -= 1
+            if flight.num_pending == 0:
+                done_groups.append(self.groups.pop(group_id))
+        await self.bus.publish_many("traj:raw", events)
+        if done_groups:  # ack a Group only after all its samples are emitted
+            await self.bus.ack(self.stream, "rollout", *(g.entry_id for g in done_groups))
+            await self._metric("tokens_per_s", self.num_tokens / max(self.busy_s, 1e-9))
+            await self._metric("num_tokens", self.num_tokens)
+
+    def _trajectory(self, group: GroupEvent, sample: int, request: Request) -> TrajectoryEvent:
+        return TrajectoryEvent(
+            job_id=group.job_id, traj_id=request.request_id, group_id=group.group_id, sample=sample,
+            task=group.task, pool=group.pool, prompt=group.prompt, answer=group.answer,
+            prompt_ids=group.prompt_ids,
+            completion_ids=Array.of(request.output_ids, "<i4"),
+            loss_mask=Array.of([1] * len(request.output_ids), "<u1"),
+            behavior_logprobs=Array.of(request.logprobs, "<f4"),
+            v_tok=Array.of(request.versions, "<i4"),
+            v_adm=group.v_adm, group_size=group.group_size,
+            temperature=request.temperature, top_p=request.top_p,
+            precision_id=self.config.precision.precision_id,
+            finish_reason="stop" if request.finish_reason == "stop" else "length",
+            worker=self.consumer,
+            timings={"finished_at": time.time()},
+        )
+
+    async def _metric(self, name: str, value: float) -> None:
+        assert self.engine is not None
+        await self.bus.publish("metrics", MetricsEvent(job_id=self.config.job_id, service=self.consumer,
+                                                       name=name, value=float(value), step=self.engine.version))
+

@@ -1,0 +1,117 @@
+"""Group assembly: scored trajectories in, complete groups out, oldest v_adm first, each traj_id once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.events import ScoredEvent
+
+
+@dataclass(slots=True)
+class PendingGroup:
+    group_id: str
+    v_adm: int
+    group_size: int
+    arrival: int
+    samples: dict[str, tuple[str, ScoredEvent]] = field(default_factory=dict)  # traj_id -> (entry_id, event)
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.samples) == self.group_size
+
+    @property
+    def entry_ids(self) -> list[str]:
+        return [entry_id for entry_id, _ in self.samples.values()]
+
+    @property
+    def events(self) -> list[ScoredEvent]:
+        return [event for _, event in sorted(self.samples.values(), key=lambda item: item[1].trajectory.sample)]
+
+    @property
+    def failed_status(self) -> str | None:
+        """The first non-ok final reward status; such a group is dropped whole, never scored as 0."""
+        return next((e.status for e in self.events if e.status != "ok"), None)
+
+
+class GroupBuffer:
+    def __init__(self) -> None:
+        self.groups: dict[str, PendingGroup] = {}
+        self.num_arrivals = 0
+
+    def add(self, entry_id: str, event: ScoredEvent) -> bool:
+        """Buffer one scored sample; False (caller acks and drops it) for a copy of a traj_id already held."""
+        traj = event.trajectory
+        group = self.groups.get(traj.group_id)
+        if group is None:
+            self.num_arrivals += 1
+            group = self.groups[traj.group_id] = PendingGroup(traj.group_id, traj.v_adm, traj.group_size,
+                                                              self.num_arrivals)
+        if traj.traj_id in group.samples:
+            return False
+        group.samples[traj.traj_id] = (entry_id, event)
+        return True
+
+    def take_failed(self) -> list[PendingGroup]:
+        failed = [g for g in self.groups.values() if g.is_complete and g.failed_status is not None]
+        for group in failed:
+            del self.groups[group.group_id]
+        return failed
+
+    def take_oldest(self, count: int) -> list[PendingGroup] | None:
+        """`count` complete groups, oldest v_adm first, or None while fewer are complete."""
+        complete = sorted((g for g in self.groups.values() if g.is_complete), key=lambda g: (g.v_adm, g.arrival))
+        if len(complete) < count:
+            return None
+        for group in complete[:count]:
+            del self.groups[group.group_id]
+        return complete[:count]
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """Right-padded sequences; per-token tensors are aligned with the next-token targets. [B, T]"""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    behavior_logp: torch.Tensor
+    v_tok: torch.Tensor
+    temperature: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [G, group_size]
+    tasks: list[str]  # per sequence
+    is_correct: list[bool]  # per sequence
+
+
+def collate(groups: list[PendingGroup], pad_id: int) -> TokenBatch:
+    events = [e for g in groups for e in g.events]
+    seqs, rows = [], []
+    for scored in events:
+        traj = scored.trajectory
+        prompt, completion = traj.prompt_ids.numpy(), traj.completion_ids.numpy()
+        seqs.append(torch.from_numpy(np.concatenate([prompt, completion]).astype(np.int64)))
+        rows.append((len(prompt), traj))
+    width = max(len(s) for s in seqs) - 1
+    num = len(seqs)
+    input_ids = torch.full((num, width), pad_id, dtype=torch.long)
+    targets = torch.full((num, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(num, width)
+    behavior = torch.zeros(num, width)
+    v_tok = torch.zeros(num, width, dtype=torch.long)
+    for i, (seq, (prompt_len, traj)) in enumerate(zip(seqs, rows, strict=True)):
+        length = len(seq) - 1
+        input_ids[i, :length] = seq[:-1]
+        targets[i, :length] = seq[1:]
+        span = slice(prompt_len - 1, length)  # logits at position t predict token t + 1
+        loss_mask[i, span] = torch.from_numpy(traj.loss_mask.numpy().astype("float32"))
+        behavior[i, span] = torch.from_numpy(traj.behavior_logprobs.numpy().copy())
+        v_tok[i, span] = torch.from_numpy(traj.v_tok.numpy().astype("int64"))
+    return TokenBatch(
+        input_ids=input_ids, targets=targets, loss_mask=loss_mask, behavior_logp=behavior, v_tok=v_tok,
+        temperature=torch.tensor([e.trajectory.temperature for e in events]),
+        rewards=torch.tensor([[e.reward for e in g.events] for g in groups], dtype=torch.float32),
+        tasks=[e.trajectory.task for e in events],
+        is_correct=[bool(e.details.get("correct", False)) for e in events],
+    )

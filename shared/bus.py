@@ -1,0 +1,254 @@
+"""The event bus on Redis Streams (6.2 and 7.x): consumer groups, reclaim, dead letters, lag backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared.events import AnyEvent, Event, EventDecodeError, decode, encode
+
+FIELD = b"e"  # every entry holds one encoded event under this field
+DLQ = "dlq"
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One stream entry handed to a consumer; ack `entry_id` once its effect is durable."""
+
+    entry_id: str
+    event: AnyEvent
+    times_delivered: int
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = _id_tuple(entry_id)
+    return f"{ms}-{seq + 1}"
+
+
+def _stream_entries(response: Any) -> list[tuple[Any, Any]]:
+    """Entries of the single stream in an XREAD/XREADGROUP reply (RESP2 list or RESP3 dict shape)."""
+    if not response:
+        return []
+    if isinstance(response, dict):
+        return next(iter(response.values()))
+    return response[0][1]
+
+
+class RedisBus:
+    """Streams namespaced as `jetroll:{job_id}:{name}`; every method takes the short name, e.g. "traj:raw"."""
+
+    def __init__(self, url: str, job_id: str, *, max_deliveries: int = 5, claim_idle_ms: int = 15000) -> None:
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        self.job_id = job_id
+        self.max_deliveries = max_deliveries
+        self.claim_idle_ms = claim_idle_ms
+        # RESP2 pinned so reply shapes are the same on every server version.
+        self.redis: aioredis.Redis = aioredis.Redis.from_url(url, protocol=2)
+
+    def key(self, name: str) -> str:
+        return f"jetroll:{self.job_id}:{name}"
+
+    async def publish(self, stream: str, event: Event) -> str:
+        """XADD one event; returns its entry id."""
+        return _s(await self.redis.xadd(self.key(stream), {FIELD: encode(event)}))
+
+    async def publish_many(self, stream: str, events: list[Event]) -> list[str]:
+        """XADD several events in one pipeline; returns their entry ids in order."""
+        if not events:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for event in events:
+                pipe.xadd(self.key(stream), {FIELD: encode(event)})
+            return [_s(entry_id) for entry_id in await pipe.execute()]
+
+    async def ensure_group(self, stream: str, group: str) -> None:
+        """Create the consumer group at the start of the stream (creating the stream) unless it exists."""
+        try:
+            await self.redis.xgroup_create(self.key(stream), group, id="0", mkstream=True)
+        except aioredis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def consume(
+        self, stream: str, group: str, consumer: str, *, count: int = 16, block_ms: int = 1000
+    ) -> list[Delivery]:
+        """Reclaim idle entries of dead consumers first, then read new ones; bad entries go to the dlq.
+
+        `block_ms` <= 0 does not block (unlike Redis, where BLOCK 0 waits forever).
+        """
+        key = self.key(stream)
+        deliveries = await self._reclaim(stream, group, consumer, count)
+        if deliveries:
+            return deliveries
+        block = block_ms if block_ms > 0 else None
+        reply = await self.redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=block)
+        out = []
+        for raw_id, fields in _stream_entries(reply):
+            delivery = await self._accept(stream, group, _s(raw_id), fields, times_delivered=1)
+            if delivery is not None:
+                out.append(delivery)
+        return out
+
+    async def _reclaim(self, stream: str, group: str, consumer: str, count: int) -> list[Delivery]:
+        key = self.key(stream)
+        reply = await self.redis.xautoclaim(key, group, consumer, self.claim_idle_ms, "0-0", count=count)
+        # 7.x drops deleted entries from the PEL and lists their ids apart; 6.2 returns them as nil.
+        claimed = [(_s(raw_id), fields) for raw_id, fields in reply[1] if raw_id is not None]
+        if len(claimed) < len(reply[1]):
+            await self._ack_deleted(stream, group, consumer)
+        if not claimed:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id, _ in claimed:
+                pipe.xpending_range(key, group, min=entry_id, max=entry_id, count=1)
+            pending = await pipe.execute()
+        out = []
+        for (entry_id, fields), info in zip(claimed, pending, strict=True):
+            times = int(info[0]["times_delivered"]) if info else 1
+            if times > self.max_deliveries:
+                await self.dead_letter(stream, entry_id, fields.get(FIELD), "max deliveries exceeded")
+                await self.ack(stream, group, entry_id)
+                continue
+            delivery = await self._accept(stream, group, entry_id, fields, times_delivered=times)
+            if delivery is not None:
+                out.append(delivery)
+        return out
+
+    async def _ack_deleted(self, stream: str, group: str, consumer: str) -> None:
+        """Redis 6.2: ack this consumer's pending entries that no longer exist, so lag stops counting them."""
+        key = self.key(stream)
+        pending = await self.redis.xpending_range(key, group, min="-", max="+", count=1000, consumername=consumer)
+        ids = [_s(p["message_id"]) for p in pending]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id in ids:
+                pipe.xrange(key, min=entry_id, max=entry_id, count=1)
+            found = await pipe.execute()
+        gone = [entry_id for entry_id, entries in zip(ids, found, strict=True) if not entries]
+        await self.ack(stream, group, *gone)
+
+    async def _accept(
+        self, stream: str, group: str | None, entry_id: str, fields: dict[bytes, bytes], *, times_delivered: int
+    ) -> Delivery | None:
+        """Decode an entry; on failure dead-letter it (and ack it when read through a group) and return None."""
+        payload = fields.get(FIELD)
+        reason = None
+        if payload is None:
+            reason = f"missing field {FIELD.decode()!r}"
+        else:
+            try:
+                event = decode(payload)
+            except EventDecodeError as exc:
+                reason = f"undecodable event: {exc}"
+            else:
+                if event.job_id != self.job_id:
+                    reason = f"job_id {event.job_id!r} does not match the bus job_id {self.job_id!r}"
+        if reason is not None:
+            await self.dead_letter(stream, entry_id, payload, reason)
+            if group is not None:
+                await self.ack(stream, group, entry_id)
+            return None
+        return Delivery(entry_id=entry_id, event=event, times_delivered=times_delivered)
+
+    async def ack(self, stream: str, group: str, *entry_ids: str) -> None:
+        if entry_ids:
+            await self.redis.xack(self.key(stream), group, *entry_ids)
+
+    async def lag(self, stream: str, group: str, *, scan_limit: int = 10_000) -> int:
+        """Entries the group has not finished: never delivered plus delivered-but-unacked (pending).
+
+        Where the server gives no `lag` (6.2, or 7.x after deletions) the undelivered part is counted
+        with XRANGE and capped at `scan_limit`.
+        """
+        key = self.key(stream)
+        info = await self._group_info(stream, group)
+        pending = int(info["pending"])
+        unread = info.get("lag")
+        if unread is None:
+            last_delivered = _s(info["last-delivered-id"])
+            if last_delivered == "0-0":
+                unread = await self.redis.xlen(key)  # nothing delivered yet: every entry is unread
+            else:
+                entries = await self.redis.xrange(key, min=f"({last_delivered}", max="+", count=scan_limit)
+                unread = len(entries)
+        return int(unread) + pending
+
+    async def _group_info(self, stream: str, group: str) -> dict[str, Any]:
+        for info in await self.redis.xinfo_groups(self.key(stream)):
+            if _s(info["name"]) == group:
+                return info
+        raise ValueError(f"no consumer group {group!r} on stream {self.key(stream)!r}")
+
+    async def wait_for_capacity(self, stream: str, group: str, max_lag: int, poll_s: float = 0.05) -> None:
+        """Backpressure: return once the group's lag is below `max_lag`."""
+        while await self.lag(stream, group, scan_limit=max_lag) >= max_lag:
+            await asyncio.sleep(poll_s)
+
+    async def tail(
+        self, stream: str, last_id: str = "0-0", *, block_ms: int = 1000, count: int = 100
+    ) -> tuple[str, list[AnyEvent]]:
+        """XREAD after `last_id` (no group); returns the new last id and the decoded events.
+
+        `block_ms` <= 0 does not block.
+        """
+        block = block_ms if block_ms > 0 else None
+        reply = await self.redis.xread({self.key(stream): last_id}, count=count, block=block)
+        events = []
+        for raw_id, fields in _stream_entries(reply):
+            last_id = _s(raw_id)
+            delivery = await self._accept(stream, None, last_id, fields, times_delivered=1)
+            if delivery is not None:
+                events.append(delivery.event)
+        return last_id, events
+
+    async def dead_letter(self, stream: str, entry_id: str, payload: bytes | None, reason: str) -> None:
+        """Record an unprocessable entry in the job's dlq stream with the reason."""
+        fields: dict[str, str | bytes] = {"stream": stream, "entry_id": entry_id, "reason": reason}
+        if payload is not None:
+            fields["payload"] = payload
+        await self.redis.xadd(self.key(DLQ), fields)
+
+    async def read_dlq(self) -> list[dict[str, str | bytes]]:
+        """All dlq records, oldest first; `payload` stays bytes, other fields are str."""
+        out = []
+        for raw_id, fields in await self.redis.xrange(self.key(DLQ)):
+            record: dict[str, str | bytes] = {"dlq_id": _s(raw_id)}
+            for name, value in fields.items():
+                record[_s(name)] = value if name == b"payload" else _s(value)
+            out.append(record)
+        return out
+
+    async def trim_acked(self, stream: str) -> int:
+        """XTRIM MINID to the oldest entry some group has not acked; returns the number of entries removed.
+
+        A stream without groups is never trimmed: nobody has acked anything.
+        """
+        key = self.key(stream)
+        groups = await self.redis.xinfo_groups(key)
+        if not groups:
+            return 0
+        boundaries = []
+        for info in groups:
+            # Everything up to last-delivered-id that is not pending has been acked by this group.
+            boundary = _next_id(_s(info["last-delivered-id"]))
+            if int(info["pending"]):
+                summary = await self.redis.xpending(key, info["name"])
+                boundary = min(boundary, _s(summary["min"]), key=_id_tuple)
+            boundaries.append(boundary)
+        min_id = min(boundaries, key=_id_tuple)
+        return int(await self.redis.xtrim(key, minid=min_id, approximate=False))
+
+    async def close(self) -> None:
+        await self.redis.aclose()

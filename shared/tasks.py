@@ -1,0 +1,189 @@
+"""Tasks: problem generators with a reward name and a held-out split that is disjoint by construction.
+
+Every prompt and answer uses only the char-level vocabulary:
+`0-9 + - = * / : ; , . ? ! ( ) [ ] space a-z newline`.
+A problem's split is a pure function of its parameters (a hash), so `sample` can never return a held-out
+problem and `heldout` never needs to remember what training saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+HELDOUT_PERCENT = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One problem: the prompt the model continues and the exact expected completion."""
+
+    prompt: str
+    answer: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A task users register: how to draw problems and which reward function scores them."""
+
+    name: str
+    reward: str  # name of its reward function in functions.registry
+    max_new_tokens: int  # generation budget the controller asks rollout for
+
+    def sample(self, rng: random.Random) -> Problem:
+        """A training problem (never a held-out one)."""
+        ...
+
+    def heldout(self, n: int) -> list[Problem]:
+        """A deterministic held-out set of n problems, disjoint from training by construction."""
+        ...
+
+    def sft_completion(self, problem: Problem) -> str:
+        """The target completion text for the supervised warm start (without EOS)."""
+        ...
+
+
+def is_heldout(key: str) -> bool:
+    """Deterministic split: about HELDOUT_PERCENT % of problem keys are held out, independent of any RNG."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 100 < HELDOUT_PERCENT
+
+
+def _heldout_problems(
+    n: int,
+    draw: Callable[[random.Random], tuple[Any, ...]],
+    key: Callable[..., str],
+    make: Callable[..., Problem],
+    seed: str,
+    max_draws: int,
+) -> list[Problem]:
+    """Draw parameter tuples from a fixed-seed RNG, keep distinct held-out ones until there are n."""
+    if n < 0:
+        raise ValueError(f"heldout(n) needs n >= 0, got {n}")
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    problems: list[Problem] = []
+    for _ in range(max_draws):
+        if len(problems) == n:
+            return problems
+        params = draw(rng)
+        k = key(*params)
+        if k in seen or not is_heldout(k):
+            continue
+        seen.add(k)
+        problems.append(make(*params))
+    if len(problems) < n:
+        raise ValueError(f"asked for {n} held-out problems; found {len(problems)} within the draw budget")
+    return problems
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """`a+b=` / `a-b=` with operands 0..999; the answer is the exact integer (may be negative)."""
+
+    name: str = "arithmetic"
+    reward: str = "arithmetic"
+    max_new_tokens: int = 8
+    max_operand: int = 999
+
+    @staticmethod
+    def key(a: int, op: str, b: int) -> str:
+        return f"arithmetic:{a}{op}{b}"
+
+    @staticmethod
+    def make(a: int, op: str, b: int) -> Problem:
+        return Problem(prompt=f"{a}{op}{b}=", answer=str(a + b if op == "+" else a - b))
+
+    def _draw(self, rng: random.Random) -> tuple[int, str, int]:
+        return rng.randint(0, self.max_operand), rng.choice("+-"), rng.randint(0, self.max_operand)
+
+    def sample(self, rng: random.Random) -> Problem:
+        while True:
+            params = self._draw(rng)
+            if not is_heldout(self.key(*params)):
+                return self.make(*params)
+
+    def heldout(self, n: int) -> list[Problem]:
+        return _heldout_problems(n, self._draw, self.key, self.make, "arithmetic-heldout", 100 * n + 10_000)
+
+    def sft_completion(self, problem: Problem) -> str:
+        return problem.answer
+
+
+@dataclass(frozen=True)
+class CountTask:
+    """The long-output task: `count 1234 by 7:` -> the next `length` numbers, space separated.
+
+    Starts are 4-digit and stay 4-digit through the last term, so every answer is exactly
+    `5 * length - 1` characters (639 for 128 numbers): always at least 512 generated tokens.
+    """
+
+    name: str = "count"
+    reward: str = "count"
+    length: int = 128
+    min_start: int = 1000
+    max_start: int = 8000
+    max_step: int = 9
+
+    def __post_init__(self) -> None:
+        if self.max_start + self.length * self.max_step > 9999 or self.min_start < 1000:
+            raise ValueError("count task terms must stay 4-digit: need min_start >= 1000 and "
+                             "max_start + length * max_step <= 9999")
+
+    @property
+    def answer_chars(self) -> int:
+        return 5 * self.length - 1
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.answer_chars + 16
+
+    @staticmethod
+    def key(start: int, step: int) -> str:
+        return f"count:{start}:{step}"
+
+    def make(self, start: int, step: int) -> Problem:
+        terms = (str(start + step * i) for i in range(1, self.length + 1))
+        return Problem(prompt=f"count {start} by {step}:", answer=" ".join(terms))
+
+    def _draw(self, rng: random.Random) -> tuple[int, int]:
+        return rng.randint(self.min_start, self.max_start), rng.randint(1, self.max_step)
+
+    def sample(self, rng: random.Random) -> Problem:
+        while True:
+            params = self._draw(rng)
+            if not is_heldout(self.key(*params)):
+                return self.make(*params)
+
+    def heldout(self, n: int) -> list[Problem]:
+        return _heldout_problems(n, self._draw, self.key, self.make, "count-heldout", 100 * n + 10_000)
+
+    def sft_completion(self, problem: Problem) -> str:
+        return problem.answer
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    """Add a task to TASKS under `task.name`; a different task already holding that name is an error."""
+    existing = TASKS.get(task.name)
+    if existing is not None and existing != task:
+        raise ValueError(f"task {task.name!r} is already registered")
+    TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    """The registered task called `name`; ValueError listing the valid names otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; valid: {sorted(TASKS)}") from None
+
+
+register_task(ArithmeticTask())
+register_task(CountTask())

@@ -1,0 +1,162 @@
+"""The reward router against a real Redis: scoring, dedupe on traj_id, and timeout -> final status after a retry."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.reward.pool import RewardPool
+from services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, RewardRouter
+from shared.bus import RedisBus
+from shared.events import Array, ScoredEvent, TrajectoryEvent
+from shared.tasks import TASKS, Problem, register_task
+
+UNIT_DIR = str(Path(__file__).parents[1] / "unit")
+if UNIT_DIR not in sys.path:
+    sys.path.insert(0, UNIT_DIR)  # spawned reward workers inherit sys.path and import reward_test_fns
+
+pytestmark = pytest.mark.integration
+
+
+def detokenize(ids: np.ndarray) -> str:
+    return "".join(chr(int(i)) for i in ids)
+
+
+def traj(job_id: str, traj_id: str, task: str, completion: str, answer: str) -> TrajectoryEvent:
+    n = len(completion)
+    group_id, _, sample = traj_id.rpartition(":")
+    return TrajectoryEvent(
+        job_id=job_id,
+        traj_id=traj_id,
+        group_id=group_id,
+        sample=int(sample),
+        task=task,
+        pool="default",
+        prompt="1+1=",
+        answer=answer,
+        prompt_ids=Array.of([ord(c) for c in "1+1="], "<i4"),
+        completion_ids=Array.of([ord(c) for c in completion], "<i4"),
+        loss_mask=Array.of(np.ones(n), "<u1"),
+        behavior_logprobs=Array.of(np.full(n, -0.5), "<f4"),
+        v_tok=Array.of(np.zeros(n), "<i4"),
+        v_adm=0,
+        group_size=2,
+        temperature=1.0,
+        top_p=1.0,
+        precision_id="test",
+        finish_reason="stop",
+    )
+
+
+@dataclass(frozen=True)
+class SlowTask:
+    name: str = "test_slow"
+    reward: str = "test_sleep"
+    max_new_tokens: int = 4
+
+    def sample(self, rng):  # pragma: no cover - never sampled here
+        return Problem("", "")
+
+    def heldout(self, n):  # pragma: no cover
+        return []
+
+    def sft_completion(self, problem):  # pragma: no cover
+        return problem.answer
+
+
+async def route(
+    redis_url: str, events: list[TrajectoryEvent], num_expected: int, timeout_s: float, job_id: str = ""
+) -> tuple:
+    """Publish `events`, run a router until `num_expected` scored events exist (plus a grace period)."""
+    job_id = job_id or events[0].job_id
+    bus = RedisBus(redis_url, job_id)
+    pool = RewardPool(num_workers=2, timeout_s=timeout_s, modules=("reward_test_fns",))
+    router = RewardRouter(bus, pool, detokenize, consumer="r0", max_retries=1, block_ms=100, metrics_every_s=0.0)
+    try:
+        await bus.ensure_group(RAW_STREAM, GROUP)
+        for event in events:
+            await bus.publish(RAW_STREAM, event)
+        runner = asyncio.create_task(router.run())
+        deadline = time.monotonic() + 30
+        while await bus.redis.xlen(bus.key(SCORED_STREAM)) < num_expected:
+            assert time.monotonic() < deadline, "router did not score everything in time"
+            assert not runner.done(), runner.exception()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # would a duplicate be published late?
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        _, scored = await bus.tail(SCORED_STREAM, block_ms=0)
+        pending = (await bus.redis.xpending(bus.key(RAW_STREAM), GROUP))["pending"]
+        _, metrics = await bus.tail("metrics", block_ms=0)
+        return scored, pending, router.counts, metrics
+    finally:
+        pool.close()
+        await bus.close()
+
+
+def test_scores_dedupes_and_acks(redis_url: str) -> None:
+    job = uuid.uuid4().hex[:8]
+    events = [
+        traj(job, "g0:0", "arithmetic", "579", "579"),
+        traj(job, "g0:1", "arithmetic", "574", "579"),
+        traj(job, "g1:0", "arithmetic", "zz", "-5"),
+        traj(job, "g2:0", "count", "11 12 13", "11 12 13"),
+        traj(job, "g9:0", "no_such_task", "1", "1"),
+        traj(job, "g0:0", "arithmetic", "000", "579"),  # a re-emitted duplicate: dropped
+    ]
+    scored, pending, counts, metrics = asyncio.run(route(redis_url, events, 5, timeout_s=5.0))
+    assert pending == 0
+    by_id = {e.trajectory.traj_id: e for e in scored}
+    assert len(scored) == 5 and len(by_id) == 5
+    assert all(isinstance(e, ScoredEvent) and e.backend == "local" and e.job_id == job for e in scored)
+    ok = by_id["g0:0"]
+    assert (ok.status, ok.reward, ok.attempts, ok.details) == ("ok", 1.0, 1, {"correct": True})
+    assert ok.trajectory.completion_ids.numpy().tolist() == [ord(c) for c in "579"]  # first copy kept
+    assert by_id["g0:1"].reward == pytest.approx(0.5 * 2 / 3) and by_id["g0:1"].details == {"correct": False}
+    assert by_id["g1:0"].reward == 0.0 and by_id["g1:0"].status == "ok"
+    assert by_id["g2:0"].reward == 1.0
+    bad = by_id["g9:0"]
+    assert bad.status == "error" and bad.reward is None and "unknown task" in bad.details["error"]
+    assert counts["duplicates"] == 1
+    assert {m.name for m in metrics} >= {"reward/throughput_per_s", "reward/timeouts", "reward/errors"}
+
+
+def test_timeout_is_retried_once_then_final(redis_url: str) -> None:
+    register_task(SlowTask())
+    try:
+        job = uuid.uuid4().hex[:8]
+        events = [traj(job, "s0:0", "test_slow", "30", ""), traj(job, "s0:1", "arithmetic", "2", "2")]
+        scored, pending, counts, _ = asyncio.run(route(redis_url, events, 2, timeout_s=0.5))
+    finally:
+        del TASKS["test_slow"]
+    by_id = {e.trajectory.traj_id: e for e in scored}
+    slow = by_id["s0:0"]
+    assert slow.status == "timeout" and slow.reward is None and slow.attempts == 2
+    assert "exceeded" in slow.details["error"] and slow.latency_s >= 1.0
+    assert by_id["s0:1"].status == "ok"  # the other worker kept serving
+    assert counts["timeout_attempts"] == 2 and pending == 0
+
+
+def test_redelivery_of_claimed_entry_is_still_scored(redis_url: str) -> None:
+    """A router that died after claiming a traj_id but before publishing must not lose it."""
+    job = uuid.uuid4().hex[:8]
+    event = traj(job, "c0:0", "arithmetic", "7", "7")
+
+    async def crashed_claimant() -> None:
+        bus = RedisBus(redis_url, job)
+        await bus.ensure_group(RAW_STREAM, GROUP)
+        entry_id = await bus.publish(RAW_STREAM, event)
+        await bus.redis.hset(bus.key("seen:reward"), "c0:0", entry_id)
+        await bus.close()
+
+    asyncio.run(crashed_claimant())
+    scored, pending, counts, _ = asyncio.run(route(redis_url, [], 1, timeout_s=5.0, job_id=job))
+    assert [(e.trajectory.traj_id, e.status, e.reward) for e in scored] == [("c0:0", "ok", 1.0)]
+    assert pending == 0 and counts["duplicates"] == 0

@@ -1,0 +1,74 @@
+"""Task registry: correct answers, the char-level vocabulary, and held-out sets disjoint by construction."""
+
+from __future__ import annotations
+
+import random
+import string
+
+import pytest
+
+from functions.registry import REWARDS
+from shared.tasks import TASKS, ArithmeticTask, CountTask, Problem, Task, get_task, register_task
+
+VOCAB = set("0123456789+-=*/:;,.?!()[] \n" + string.ascii_lowercase)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "count"])
+def test_heldout_disjoint_from_training(name: str) -> None:
+    task = get_task(name)
+    heldout = task.heldout(200)
+    assert len(set(heldout)) == 200
+    assert task.heldout(200) == heldout  # deterministic
+    rng = random.Random(123)
+    training = {task.sample(rng) for _ in range(50_000)}
+    assert not training & set(heldout)
+    assert {p.prompt for p in training}.isdisjoint(p.prompt for p in heldout)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "count"])
+def test_registered_task_is_consistent(name: str) -> None:
+    task = TASKS[name]
+    assert isinstance(task, Task)
+    assert task.name == name and task.reward in REWARDS
+    rng = random.Random(0)
+    for p in [task.sample(rng) for _ in range(500)] + task.heldout(50):
+        assert set(p.prompt) <= VOCAB and set(p.answer) <= VOCAB
+        assert task.sft_completion(p) == p.answer
+        assert len(p.answer) + 1 <= task.max_new_tokens  # room for EOS
+        assert REWARDS[task.reward](task.sft_completion(p), p.answer).correct
+
+
+def test_arithmetic_answers() -> None:
+    task = get_task("arithmetic")
+    rng = random.Random(1)
+    ops = set()
+    for _ in range(2000):
+        p = task.sample(rng)
+        op = "+" if "+" in p.prompt else "-"
+        ops.add(op)
+        left, right = p.prompt.removesuffix("=").split(op)
+        assert 0 <= int(left) <= 999 and 0 <= int(right) <= 999
+        assert int(p.answer) == (int(left) + int(right) if op == "+" else int(left) - int(right))
+    assert ops == {"+", "-"}
+    assert ArithmeticTask.make(57, "-", 912) == Problem("57-912=", "-855")
+
+
+def test_count_answers_are_long_and_right() -> None:
+    task = get_task("count")
+    rng = random.Random(2)
+    for p in [task.sample(rng) for _ in range(300)] + task.heldout(20):
+        start, step = (int(x) for x in p.prompt.removeprefix("count ").rstrip(":").split(" by "))
+        numbers = [int(x) for x in p.answer.split(" ")]
+        assert numbers == [start + step * i for i in range(1, 129)]
+        assert len(p.answer) >= 512
+    assert task.max_new_tokens >= len(p.answer) + 16 > 512
+    with pytest.raises(ValueError, match="4-digit"):
+        CountTask(max_start=9000)
+
+
+def test_registry_errors() -> None:
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; valid: \['arithmetic', 'count'"):
+        get_task("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_task(ArithmeticTask(max_new_tokens=9))
+    assert register_task(ArithmeticTask()) is not None  # re-registering the same task is harmless
