@@ -1,0 +1,24 @@
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-fast lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+demo: setup  ## README command 1: the default arithmetic RL job, end to end
+	$(BIN)/jetroll run configs/arithmetic.yaml
+
+test: setup  ## README command 2: the whole suite, slow end-to-end tests included
+	$(BIN)/pytest -q
+
+test-fast: setup  ## unit and integration tests without the slow end-to-end runs
+	$(BIN)/pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check shared services functions tests
+
+bench: setup
+	$(BIN)/jetroll bench engine
