@@ -21,6 +21,7 @@ from shared.precision import PrecisionLinear
 from shared.tokenizer import Tokenizer, load_tokenizer
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's negation folded into `signed_sin` (exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class FusedWeights:
+    """Row-concatenated weights (and biases) of linears that read the same input, for inference.
+
+    Rebuilt whenever any source tensor is replaced or written in place (`load_state` copies in place,
+    which bumps `_version`), so a swapped-in version is picked up at the next forward.
+    """
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.key: tuple[int, ...] = ()
+        self.weight = torch.empty(0)
+        self.bias: torch.Tensor | None = None
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tensors = [t for lin in self.linears for t in (lin.weight, lin.bias) if t is not None]
+        key = tuple(x for t in tensors for x in (t.data_ptr(), t._version))
+        if key != self.key:
+            self.key = key
+            self.weight = torch.cat([lin.weight.detach() for lin in self.linears])
+            has_bias = self.linears[0].bias is not None
+            self.bias = torch.cat([lin.bias.detach() for lin in self.linears]) if has_bias else None
+        return self.weight, self.bias
+
+
+def _can_fuse(linear: PrecisionLinear) -> bool:
+    # fusion re-blocks the GEMM, so only fp32 inference takes it; training keeps per-linear autograd
+    return linear.precision.mode == "fp32" and not (torch.is_grad_enabled() and linear.weight.requires_grad)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
         super().__init__()
@@ -134,18 +169,35 @@ class Attention(nn.Module):
         self.k_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision)
         self.v_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision)
         self.o_proj = PrecisionLinear(args.hidden_size, args.hidden_size, False, precision)
+        self.qkv = FusedWeights(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerView | None) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, S, H + KV, D] for q and k, [B, S, KV, D] for v)."""
         bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-        k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
+        if _can_fuse(self.q_proj):
+            weight, bias = self.qkv.get()
+            qkv = F.linear(x, weight, bias).view(bsz, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            return qkv[:, :, : self.num_heads + self.num_kv_heads], qkv[:, :, self.num_heads + self.num_kv_heads :]
+        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        return torch.cat((q, k), dim=2), v
+
+    def forward(self, x: torch.Tensor, rope: Rope, cache: LayerView | None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        qk, v = self._qkv(x)
+        qk = apply_rope(qk, *rope)
+        q, k = qk[:, :, : self.num_heads], qk[:, :, self.num_heads :]
+        if cache is not None and cache.slot is None:  # decode: one query per sequence
             k, v, mask = cache.update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            # GQA without repeat: the G query heads sharing a kv head become G query rows of that head
+            q = q.reshape(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, KV, G, D]
+            return self.o_proj(out.reshape(bsz, 1, -1))
+        if cache is not None:
+            cache.update(k, v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -155,8 +207,12 @@ class MLP(nn.Module):
         self.gate_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision)
         self.up_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision)
         self.down_proj = PrecisionLinear(args.intermediate_size, args.hidden_size, False, precision)
+        self.gate_up = FusedWeights(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _can_fuse(self.gate_proj):
+            gate, up = F.linear(x, self.gate_up.get()[0]).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -168,31 +224,41 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerView | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, rope: Rope, cache: LayerView | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LayerView:
-    """Where one forward writes its K/V: slots [0, n) decoding one token each, or one slot prefilling."""
+    """Where one forward writes its K/V: slots [0, n) decoding one token each, or one slot prefilling.
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, slot: int | None) -> None:
-        self.k_cache, self.v_cache, self.positions, self.slot = k_cache, v_cache, positions, slot
+    `rows`, `positions` and `mask` are shared by every layer of one forward.
+    """
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __init__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot: int | None,
+        rows: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> None:
+        self.k_cache, self.v_cache, self.slot = k_cache, v_cache, slot
+        self.rows, self.positions, self.mask = rows, positions, mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """k, v: [B, S, KV, D]. Prefill returns nothing to attend over; decode returns cache views and mask."""
         if self.slot is not None:  # prefill: one sequence, positions 0..S-1
-            seq = k.shape[2]
-            self.k_cache[self.slot, :, :seq] = k[0]
-            self.v_cache[self.slot, :, :seq] = v[0]
-            mask = torch.ones(seq, seq, dtype=torch.bool).tril()
-            return k, v, mask
-        n = k.shape[0]
-        rows = torch.arange(n)
-        self.k_cache[rows, :, self.positions] = k[:, :, 0]
-        self.v_cache[rows, :, self.positions] = v[:, :, 0]
-        length = int(self.positions.max()) + 1
-        mask = (torch.arange(length)[None, :] <= self.positions[:, None])[:, None, None, :]  # [n, 1, 1, L]
-        return self.k_cache[:n, :, :length], self.v_cache[:n, :, :length], mask
+            seq = k.shape[1]
+            self.k_cache[self.slot, :, :seq] = k[0].transpose(0, 1)
+            self.v_cache[self.slot, :, :seq] = v[0].transpose(0, 1)
+            return k, v, None
+        assert self.rows is not None and self.positions is not None and self.mask is not None
+        n, length = self.mask.shape[0], self.mask.shape[-1]
+        self.k_cache[self.rows, :, self.positions] = k[:, 0]
+        self.v_cache[self.rows, :, self.positions] = v[:, 0]
+        return self.k_cache[:n, :, :length], self.v_cache[:n, :, :length], self.mask
 
 
 class CausalLM(nn.Module):
@@ -211,11 +277,19 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._rope_table: Rope | None = None
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
-        return emb.cos(), emb.sin()
+    def _rope(self, positions: torch.Tensor) -> Rope:
+        """cos and signed sin for positions [B, S], gathered from a table over every position the model takes."""
+        if self._rope_table is None or self._rope_table[0].device != self.inv_freq.device:
+            positions_all = torch.arange(self.args.max_position_embeddings, device=self.inv_freq.device)
+            freqs = positions_all.float()[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+            half = emb.shape[-1] // 2
+            sin = emb.sin()
+            self._rope_table = (emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+        cos, signed_sin = self._rope_table
+        return cos[positions][:, :, None], signed_sin[positions][:, :, None]
 
     def forward(
         self,
@@ -235,13 +309,19 @@ class CausalLM(nn.Module):
             positions = torch.arange(seq).expand(bsz, seq)
         elif positions.dim() == 1:
             positions = positions[:, None] if slot is None else positions[None, :]
-        cos, sin = self._rope(positions)
+        rope = self._rope(positions)
+        views: list[LayerView | None] = [None] * len(self.model.layers)
+        if cache is not None and slot is not None:
+            views = [LayerView(k, v, slot) for k, v in zip(cache.k, cache.v, strict=True)]
+        elif cache is not None:
+            decode_positions = positions[:, 0]
+            length = int(decode_positions.max()) + 1
+            mask = (torch.arange(length)[None, :] <= decode_positions[:, None])[:, None, None, :]  # [n, 1, 1, L]
+            rows = torch.arange(bsz)
+            views = [LayerView(k, v, None, rows, decode_positions, mask) for k, v in zip(cache.k, cache.v, strict=True)]
         x = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            view = None
-            if cache is not None:
-                view = LayerView(cache.k[i], cache.v[i], positions[:, 0] if slot is None else positions[0], slot)
-            x = layer(x, cos, sin, view)
+        for layer, view in zip(self.model.layers, views, strict=True):
+            x = layer(x, rope, view)
         return self.lm_head(self.model.norm(x)).float()
 
 

@@ -117,15 +117,17 @@ class Engine:
         return self._sample(list(self.running), logits[:, 0], first_slot=0)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor, first_slot: int) -> list[Request]:
-        temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in batch])[:, None]
-        logprobs = torch.log_softmax(logits / temps, dim=-1)
+        if any(r.temperature not in (0.0, 1.0) for r in batch):
+            logits = logits / torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in batch])[:, None]
+        logprobs = torch.log_softmax(logits, dim=-1)
         tokens = self._choose(batch, logprobs)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         done = []
+        version = self.version
         for request, token, logprob in zip(batch, tokens.tolist(), chosen, strict=True):
             request.output_ids.append(token)
             request.logprobs.append(logprob)
-            request.versions.append(self.version)
+            request.versions.append(version)
             if token == self.eos_id and not request.ignore_eos:
                 request.finish_reason = "stop"
             elif len(request.output_ids) >= request.max_new_tokens or request.num_tokens >= self.max_len:
@@ -138,13 +140,15 @@ class Engine:
 
     def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
         probs = logprobs.exp()
-        top_p = torch.tensor([r.top_p for r in batch])
-        if bool((top_p < 1).any()):
+        if any(r.top_p < 1 for r in batch):
+            top_p = torch.tensor([r.top_p for r in batch])
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
             probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
         sampled = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        if not any(r.temperature == 0 for r in batch):
+            return sampled
         greedy = torch.tensor([r.temperature == 0 for r in batch])
         return torch.where(greedy, logprobs.argmax(-1), sampled)
 

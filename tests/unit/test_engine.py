@@ -1,0 +1,152 @@
+"""The continuous-batching engine against full-sequence forwards of the same model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.rollout.engine import Engine, Request
+from shared.model import CausalLM, ModelArgs
+
+VOCAB = 40
+EOS = 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_model(seed: int = 0) -> CausalLM:
+    torch.manual_seed(seed)
+    args = ModelArgs(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     intermediate_size=128, max_position_embeddings=256, eos_token_id=EOS)
+    model = CausalLM(args).eval()
+    with torch.no_grad():  # tied N(0, 1) embeddings give near one-hot softmaxes; soften them so sampling samples
+        model.model.embed_tokens.weight.mul_(0.2)
+    return model
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def full_logits(model: CausalLM, request: Request) -> torch.Tensor:
+    """Logits [num_new, V] that the full forward gives at each generated position."""
+    ids = request.prompt_ids + request.output_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0]
+    return logits[len(request.prompt_ids) - 1 :]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_full_forward(temperature: float) -> None:
+    model = tiny_model()
+    engine = Engine(model, EOS, max_batch=3, max_len=64)
+    requests = [Request(f"r{i}", prompt(5 + i, i), 12, temperature=temperature, ignore_eos=True) for i in range(4)]
+    engine.generate(requests)
+    for request in requests:
+        assert len(request.output_ids) == 12 and request.finish_reason == "length"
+        logprobs = torch.log_softmax(full_logits(model, request) / temperature, dim=-1)
+        expected = logprobs.gather(1, torch.tensor(request.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(request.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_greedy_is_deterministic_and_follows_argmax() -> None:
+    model = tiny_model()
+    outputs = []
+    for seed in (0, 1):
+        engine = Engine(model, EOS, max_batch=2, max_len=64, seed=seed)
+        requests = [Request(f"g{i}", prompt(6, i), 16, temperature=0.0, ignore_eos=True) for i in range(2)]
+        engine.generate(requests)
+        outputs.append([r.output_ids for r in requests])
+        for request in requests:
+            assert full_logits(model, request).argmax(-1).tolist() == request.output_ids
+    assert outputs[0] == outputs[1]
+
+
+def test_continuous_batching_finishes_everything_and_joiners_match_solo_runs() -> None:
+    model = tiny_model()
+    engine = Engine(model, EOS, max_batch=2, max_len=64)
+    lengths = [3, 9, 5, 7, 4]
+    requests = [Request(f"c{i}", prompt(4 + i, 10 + i), n, temperature=0.0, ignore_eos=True)
+                for i, n in enumerate(lengths)]
+    engine.generate(requests)
+    assert not engine.has_work and not engine.running
+    for request, n in zip(requests, lengths, strict=True):
+        assert len(request.output_ids) == n and request.finish_reason == "length"
+        solo = Request("solo", request.prompt_ids, n, temperature=0.0, ignore_eos=True)
+        Engine(model, EOS, max_batch=1, max_len=64).generate([solo])
+        assert solo.output_ids == request.output_ids
+
+    engine = Engine(model, EOS, max_batch=3, max_len=64)
+    first = Request("first", prompt(8, 20), 10, temperature=0.0, ignore_eos=True)
+    engine.add([first])
+    for _ in range(4):
+        engine.step()
+    joiner = Request("joiner", prompt(3, 21), 6, temperature=0.0, ignore_eos=True)
+    engine.add([joiner])
+    while engine.has_work:
+        engine.step()
+    for request in (first, joiner):
+        solo = Request("solo", request.prompt_ids, request.max_new_tokens, temperature=0.0, ignore_eos=True)
+        Engine(model, EOS, max_batch=1, max_len=64).generate([solo])
+        assert solo.output_ids == request.output_ids
+
+
+def test_eos_stops_a_sequence_unless_ignored() -> None:
+    model = tiny_model()
+    probe = Request("probe", prompt(4, 3), 6, temperature=0.0, ignore_eos=True)
+    Engine(model, EOS, max_batch=1, max_len=64).generate([probe])
+    stop_id = probe.output_ids[2]  # treat the third greedy token as EOS
+    request = Request("e", probe.prompt_ids, 6, temperature=0.0)
+    Engine(model, stop_id, max_batch=1, max_len=64).generate([request])
+    assert request.output_ids == probe.output_ids[: probe.output_ids.index(stop_id) + 1]
+    assert request.finish_reason == "stop"
+
+
+def test_top_p_never_samples_outside_the_nucleus() -> None:
+    model = tiny_model()
+    top_p = 0.6
+    engine = Engine(model, EOS, max_batch=4, max_len=64, seed=3)
+    requests = [Request(f"p{i}", prompt(4, 30 + i), 24, top_p=top_p, ignore_eos=True) for i in range(4)]
+    engine.generate(requests)
+    num_outside_if_unrestricted = 0
+    for request in requests:
+        probs = torch.softmax(full_logits(model, request), dim=-1)
+        for row, token in zip(probs, request.output_ids, strict=True):
+            # a token is in the nucleus iff the mass strictly more likely than it is below top_p
+            assert row[row > row[token]].sum().item() < top_p + 1e-6
+            num_outside_if_unrestricted += int((row.sort(descending=True).values.cumsum(0) < top_p).sum() < len(row))
+    assert num_outside_if_unrestricted > 0  # the nucleus really excluded tokens
+
+
+def test_swap_weights_recomputes_kv_and_tags_versions() -> None:
+    model, new_model = tiny_model(seed=0), tiny_model(seed=7)
+    engine = Engine(model, EOS, max_batch=2, max_len=64)
+    requests = [Request(f"s{i}", prompt(5 + i, 40 + i), 12, temperature=0.0, ignore_eos=True) for i in range(2)]
+    engine.add(requests)
+    for _ in range(6):
+        engine.step()
+    num_before = [len(r.output_ids) for r in requests]
+    engine.swap_weights(new_model.state_dict(), version=1)
+
+    last = torch.tensor([[r.output_ids[-1]] for r in engine.running])
+    positions = torch.tensor([r.num_tokens - 1 for r in engine.running])
+    with torch.inference_mode():
+        logits = engine.model(last, positions, engine.cache)[:, 0]
+        for slot, request in enumerate(engine.running):
+            fresh = new_model(torch.tensor([request.prompt_ids + request.output_ids]))[0, -1]
+            assert torch.allclose(logits[slot], fresh, atol=1e-4, rtol=0)
+
+    while engine.has_work:
+        engine.step()
+    for request, before in zip(requests, num_before, strict=True):
+        assert request.versions == [0] * before + [1] * (12 - before)
+        after = full_logits(new_model, request)[before:]
+        assert after.argmax(-1).tolist() == request.output_ids[before:]
