@@ -207,7 +207,9 @@ def main(config: ModelConfig, force: bool = False) -> None:
     if info_path.is_file():
         info = json.loads(info_path.read_text())
         accuracy = ", ".join(f"{name} {acc:.1%}" for name, acc in info["accuracy"].items())
-        print(f"warm start: {info['steps']} steps, seed {info['seed']}, {info['wall_s']:.0f} s; held-out greedy "
-              f"accuracy: {accuracy}")
+        print(
+            f"warm start: {info['steps']} steps, seed {info['seed']}, {info['wall_s']:.0f} s; held-out greedy "
+            f"accuracy: {accuracy}"
+        )
     else:
         print("no warmstart.json: a user-supplied model")

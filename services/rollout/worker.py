@@ -115,8 +115,10 @@ class RolloutWorker:
         assert self.engine is not None
         if group.group_id in self.groups:  # our own entry, reclaimed while still in flight
             return
-        if group.min_version > self._current_version():
-            await self._load(await self.store.latest() or group.min_version)
+        # compare with the weights in use, not a pending load: its swap would come after this group's first token
+        if group.min_version > self.engine.version:
+            if self._current_version() < group.min_version:
+                await self._load(await self.store.latest() or group.min_version)
             if self.pending_weights is not None:
                 version, state = self.pending_weights
                 self.pending_weights = None

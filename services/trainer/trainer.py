@@ -88,14 +88,28 @@ class Trainer:
     async def _next_groups(self) -> list[PendingGroup]:
         needed = self.config.trainer.groups_per_step
         while (groups := self.buffer.take_oldest(needed)) is None:
+            await self._keep_claims()
             for delivery in await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500):
                 event = delivery.event
                 assert isinstance(event, ScoredEvent)
+                if self._held_entry(event) == delivery.entry_id:
+                    continue  # our own buffered entry handed back by XAUTOCLAIM: it stays pending until trained
                 is_done = await self.ledger.has(event.trajectory.group_id)
                 if is_done or not self.buffer.add(delivery.entry_id, event):
                     await self.bus.ack(STREAM, GROUP, delivery.entry_id)  # a reclaimed copy: keep the first
             await self._drop_failed()
         return groups
+
+    def _held_entry(self, event: ScoredEvent) -> str | None:
+        group = self.buffer.groups.get(event.trajectory.group_id)
+        held = group.samples.get(event.trajectory.traj_id) if group else None
+        return held[0] if held else None
+
+    async def _keep_claims(self) -> None:
+        """Reset the idle time of buffered entries (XCLAIM JUSTID) so XAUTOCLAIM never takes them back unacked."""
+        entry_ids = [i for g in self.buffer.groups.values() for i in g.entry_ids]
+        if entry_ids:
+            await self.bus.redis.xclaim(self.bus.key(STREAM), GROUP, self.consumer, 0, entry_ids, justid=True)
 
     async def _drop_failed(self) -> None:
         failed = self.buffer.take_failed()

@@ -1,0 +1,146 @@
+"""The tiny base model: HF-format output, seeded determinism, the atomic cache, and held-out evaluation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from functions.registry import get_reward
+from services import init_model
+from services.evaluate import evaluate
+from services.init_model import build_base_model, config_hash, ensure_base_model
+from services.rollout.engine import Engine, Request
+from shared.config import ModelConfig, WarmStartConfig
+from shared.model import load_pretrained
+from shared.tasks import get_task
+from shared.tokenizer import build_char_tokenizer
+
+
+def tiny_config(cache_dir: Path | str = "~/.cache/jetroll", seed: int = 0) -> ModelConfig:
+    return ModelConfig(
+        cache_dir=str(cache_dir),
+        hidden_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        warm_start=WarmStartConfig(steps=4, batch_size=8, lr=1e-3, seed=seed),
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out_dir = tmp_path_factory.mktemp("base")
+    info = build_base_model(tiny_config(), out_dir, progress=False)
+    return out_dir, info
+
+
+def test_warmstart_json_written(built: tuple[Path, dict]) -> None:
+    out_dir, info = built
+    saved = json.loads((out_dir / "warmstart.json").read_text())
+    assert saved == info
+    assert saved["steps"] == 4 and saved["seed"] == 0
+    assert set(saved["accuracy"]) == {"arithmetic"}
+    assert 0.0 <= saved["accuracy"]["arithmetic"] <= 1.0
+    assert saved["loss"]["first"] > 0 and saved["wall_s"] > 0
+
+
+def test_loads_with_load_pretrained(built: tuple[Path, dict]) -> None:
+    out_dir, _ = built
+    model, tokenizer = load_pretrained(out_dir)
+    assert model.args.vocab_size == build_char_tokenizer().vocab_size
+    assert model.args.eos_token_id == tokenizer.eos_id
+    assert model.args.tie_word_embeddings and model.args.model_type == "qwen2"
+
+
+def test_loads_with_transformers(built: tuple[Path, dict]) -> None:
+    transformers = pytest.importorskip("transformers")
+    out_dir, _ = built
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    model, tokenizer = load_pretrained(out_dir)
+    ids = torch.tensor([tokenizer.encode("123+456=579")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, model.eval()(ids), atol=1e-4, rtol=1e-4)
+
+    text = "12-345=-333\ncount 1000 by 7: 1007 1014"
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out_dir / "tokenizer.json"))
+    assert fast.encode(text, add_special_tokens=False) == tokenizer.encode(text)
+    assert fast.decode(fast.encode(text, add_special_tokens=False)) == text
+    auto = transformers.AutoTokenizer.from_pretrained(out_dir)
+    assert auto.eos_token == "<eos>" and auto.eos_token_id == tokenizer.eos_id
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which swaps in a ByteLevel "
+    "pre-tokenizer/decoder and drops whitespace; shared/tokenizer.py must steer AutoTokenizer",
+)
+def test_auto_tokenizer_round_trips(built: tuple[Path, dict]) -> None:
+    transformers = pytest.importorskip("transformers")
+    out_dir, _ = built
+    _, tokenizer = load_pretrained(out_dir)
+    auto = transformers.AutoTokenizer.from_pretrained(out_dir)
+    text = "12-345=-333\ncount 1000 by 7: 1007 1014"
+    assert auto.encode(text, add_special_tokens=False) == tokenizer.encode(text)
+    assert auto.decode(auto.encode(text, add_special_tokens=False)) == text
+
+
+def test_same_seed_bitwise_identical(built: tuple[Path, dict], tmp_path: Path) -> None:
+    out_dir, _ = built
+    build_base_model(tiny_config(), tmp_path / "again", progress=False)
+    first, again = load_file(str(out_dir / "model.safetensors")), load_file(str(tmp_path / "again/model.safetensors"))
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+    build_base_model(tiny_config(seed=1), tmp_path / "other", progress=False)
+    other = load_file(str(tmp_path / "other/model.safetensors"))
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_ensure_base_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config(cache_dir=tmp_path / "cache")
+    path = ensure_base_model(config, progress=False)
+    assert path == tmp_path / "cache" / f"base-{config_hash(config)}"
+    assert (path / "config.json").is_file() and (path / "warmstart.json").is_file()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no temp dirs left behind
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("rebuilt a cached model")
+
+    monkeypatch.setattr(init_model, "build_base_model", fail)
+    assert ensure_base_model(config, progress=False) == path
+    # the cache key ignores where the cache lives and what path says, but not the weights' recipe
+    assert config_hash(config) == config_hash(tiny_config(cache_dir=tmp_path / "elsewhere"))
+    assert config_hash(config) != config_hash(tiny_config(seed=1))
+
+
+def test_ensure_base_model_explicit_path(built: tuple[Path, dict], tmp_path: Path) -> None:
+    out_dir, _ = built
+    assert ensure_base_model(ModelConfig(path=str(out_dir))) == out_dir
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ensure_base_model(ModelConfig(path=str(tmp_path)))
+
+
+def test_evaluate_matches_manual_count(built: tuple[Path, dict]) -> None:
+    out_dir, _ = built
+    model, tokenizer = load_pretrained(out_dir)
+    accuracy = evaluate(model, tokenizer, ["arithmetic"], num_problems=50, max_batch=16)
+    assert set(accuracy) == {"arithmetic"} and 0.0 <= accuracy["arithmetic"] <= 1.0
+    assert evaluate(model, tokenizer, ["arithmetic"], num_problems=50, max_batch=7) == accuracy  # deterministic
+
+    task = get_task("arithmetic")
+    problems = task.heldout(50)
+    requests = [
+        Request(str(i), tokenizer.encode(p.prompt), task.max_new_tokens, temperature=0.0)
+        for i, p in enumerate(problems)
+    ]
+    Engine(model, tokenizer.eos_id, max_batch=len(requests), max_len=64).generate(requests)
+    reward_fn = get_reward(task.reward)
+    num_correct = sum(
+        reward_fn(tokenizer.decode(r.output_ids), p.answer).correct for r, p in zip(requests, problems, strict=True)
+    )
+    assert accuracy["arithmetic"] == num_correct / 50
