@@ -166,6 +166,12 @@ class RedisBus:
         if entry_ids:
             await self.redis.xack(self.key(stream), group, *entry_ids)
 
+    async def keep_claimed(self, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
+        """Reset the idle time of entries still being worked on (XCLAIM JUSTID: no delivery is counted),
+        so XAUTOCLAIM never hands a live consumer's work to someone else, or back to itself."""
+        if entry_ids:
+            await self.redis.xclaim(self.key(stream), group, consumer, 0, entry_ids, justid=True)
+
     async def lag(self, stream: str, group: str, *, scan_limit: int = 10_000) -> int:
         """Entries the group has not finished: never delivered plus delivered-but-unacked (pending).
 

@@ -161,6 +161,8 @@ class LaunchConfig(Strict):
 class JobConfig(Strict):
     """A whole RL job. Every service reads the same validated config."""
 
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
     job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:8], description="namespaces streams")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tasks: list[TaskWeight] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1)

@@ -23,7 +23,8 @@ class Tokenizer:
         if eos_id is None:
             raise ValueError(f"tokenizer has no eos token {eos_token!r}")
         self.eos_id = eos_id
-        self.pad_id = tokenizer.token_to_id(self.pad_token)
+        pad_id = tokenizer.token_to_id(self.pad_token)
+        self.pad_id = eos_id if pad_id is None else pad_id
 
     @property
     def vocab_size(self) -> int:

@@ -44,9 +44,11 @@ class Controller:
 
     async def run(self) -> dict:
         started = time.time()
+        # a restarted controller goes on counting from what earlier lives admitted
+        self.admission.num_admitted = int(await self.bus.redis.get(self.bus.key("num_admitted")) or 0)
         while (latest := await self.store.latest()) is None:
             await asyncio.sleep(0.2)
-        accuracy_before = await self._evaluate(latest)
+        accuracy_before = self._first_eval() or await self._evaluate(latest)
         weights_id = metrics_id = "0-0"
         with ProgressView(self.book, self.config.trainer.max_steps, self.task_names) as view:
             while self.version < self.config.trainer.max_steps:
@@ -104,6 +106,15 @@ class Controller:
             f.write(json.dumps({"version": version, **accuracy}) + "\n")
         log.info("held-out accuracy at v%d: %s", version, accuracy)
         return accuracy
+
+    def _first_eval(self) -> dict[str, float] | None:
+        """The base model's accuracy, if an earlier life of this controller measured it."""
+        path = self.run_dir / "eval.jsonl"
+        if not path.exists() or not path.read_text().strip():
+            return None
+        first = json.loads(path.read_text().splitlines()[0])
+        self.book.evals.append(first)
+        return {k: v for k, v in first.items() if k != "version"}
 
     async def _stream_lags(self) -> dict[str, int]:
         lags = {}

@@ -26,6 +26,14 @@ class MetricsBook:
         self.totals: dict[str, float] = defaultdict(float)
         self.evals: list[dict[str, float]] = []
         self.started = time.time()
+        if self.path.exists():  # a restarted controller (or a resumed job) goes on from what is written
+            for line in self.path.read_text().splitlines():
+                self._count(json.loads(line))
+
+    def _count(self, row: dict[str, float]) -> None:
+        for key in ("mismatch_abs_sum", "mismatch_tokens", "num_policy_tokens"):
+            self.totals[key] += row.get(key, 0.0)
+        self.rows.append(row)
 
     def add(self, event: MetricsEvent) -> dict[str, float] | None:
         if event.service != "trainer":
@@ -37,11 +45,12 @@ class MetricsBook:
         if event.name != "step_done":
             self.steps[event.step][event.name] = event.value
             return None
-        row = {"step": event.step, "time_s": event.time - self.started, **self.steps.pop(event.step, {}),
+        stats = self.steps.pop(event.step, {})
+        if any(r["step"] == event.step for r in self.rows):  # already written before a restart
+            return None
+        row = {"step": event.step, "time_s": event.time - self.started, **stats,
                "rollout_tokens_per_s": self.rollout_tokens_per_s()}
-        for key in ("mismatch_abs_sum", "mismatch_tokens", "num_policy_tokens"):
-            self.totals[key] += row.get(key, 0.0)
-        self.rows.append(row)
+        self._count(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         return row

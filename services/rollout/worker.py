@@ -89,7 +89,12 @@ class RolloutWorker:
     async def _loop(self) -> None:
         assert self.engine is not None
         engine, rollout = self.engine, self.config.rollout
+        claims_kept_at = time.monotonic()
         while True:
+            if time.monotonic() - claims_kept_at > self.config.redis.claim_idle_ms / 3000:
+                await self.bus.keep_claimed(self.stream, "rollout", self.consumer,
+                                            [g.entry_id for g in self.groups.values()])
+                claims_kept_at = time.monotonic()
             if self.pending_weights is not None:
                 version, state = self.pending_weights
                 self.pending_weights = None

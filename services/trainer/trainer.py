@@ -18,8 +18,7 @@ from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent
 from shared.model import CausalLM, load_pretrained, load_state, save_pretrained
-from shared.store import WeightStore
-from shared.tokenizer import Tokenizer
+from shared.store import Manifest, WeightStore
 
 log = logging.getLogger("jetroll.trainer")
 
@@ -75,10 +74,11 @@ class Trainer:
             started = time.perf_counter()
             stats = await asyncio.to_thread(self._train_step, groups)
             self.version += 1
-            await self._publish()
+            # ledger first: a group is trained exactly once even if we die before the publish below
             await self.ledger.record({g.group_id: {"step": self.version, "status": "trained",
                                                    "traj_ids": sorted(g.samples)} for g in groups})
             await self.bus.ack(STREAM, GROUP, *(i for g in groups for i in g.entry_ids))
+            await self._publish()
             stats["step_time_s"] = time.perf_counter() - started
             await self._emit(stats)
             if self.version % self.config.trainer.checkpoint_every == 0:
@@ -88,7 +88,8 @@ class Trainer:
     async def _next_groups(self) -> list[PendingGroup]:
         needed = self.config.trainer.groups_per_step
         while (groups := self.buffer.take_oldest(needed)) is None:
-            await self._keep_claims()
+            await self.bus.keep_claimed(STREAM, GROUP, self.consumer,
+                                        [i for g in self.buffer.groups.values() for i in g.entry_ids])
             for delivery in await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500):
                 event = delivery.event
                 assert isinstance(event, ScoredEvent)
@@ -105,12 +106,6 @@ class Trainer:
         held = group.samples.get(event.trajectory.traj_id) if group else None
         return held[0] if held else None
 
-    async def _keep_claims(self) -> None:
-        """Reset the idle time of buffered entries (XCLAIM JUSTID) so XAUTOCLAIM never takes them back unacked."""
-        entry_ids = [i for g in self.buffer.groups.values() for i in g.entry_ids]
-        if entry_ids:
-            await self.bus.redis.xclaim(self.bus.key(STREAM), GROUP, self.consumer, 0, entry_ids, justid=True)
-
     async def _drop_failed(self) -> None:
         failed = self.buffer.take_failed()
         if not failed:
@@ -123,7 +118,7 @@ class Trainer:
 
     def _train_step(self, groups: list[PendingGroup]) -> dict[str, float]:
         cfg = self.config.trainer
-        batch = collate(groups, self.tokenizer.pad_id or 0)
+        batch = collate(groups, self.tokenizer.pad_id)
         advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
         eta_hard = 2 * self.config.staleness.eta
         lag = (self.version - batch.v_tok) * batch.loss_mask.long()
@@ -189,26 +184,35 @@ class Trainer:
             manifest = await self.store.publish(
                 self.version, self.version, Path(staging), precision_id=self.config.precision.precision_id,
                 dtype="float32", parent=self.version - 1 if self.version else None, is_checkpoint=is_ckpt)
-        await self.bus.publish("weights", WeightsPublishedEvent(
-            job_id=self.config.job_id, version=self.version, step=self.version,
-            manifest_uri=self.store.uri(self.version), shard_sha256={s.key: s.sha256 for s in manifest.shards},
-            size_bytes=sum(s.size_bytes for s in manifest.shards), precision_id=manifest.precision_id))
+        await self._announce(manifest)
         await self.store.retain(self.config.store.keep_last)
 
+    async def _announce(self, manifest: Manifest) -> None:
+        await self.bus.publish("weights", WeightsPublishedEvent(
+            job_id=self.config.job_id, version=manifest.version, step=manifest.step,
+            manifest_uri=self.store.uri(manifest.version), shard_sha256={s.key: s.sha256 for s in manifest.shards},
+            size_bytes=sum(s.size_bytes for s in manifest.shards), precision_id=manifest.precision_id))
+
     async def _resume_or_publish_base(self) -> None:
+        """Fresh: publish v0 and checkpoint it. Resumed: restore the last checkpoint and move on from the
+        newest version any earlier life reached (store or ledger), so versions never go back."""
         checkpoint = await self.store.latest_checkpoint()
         latest = await self.store.latest()
-        if checkpoint is not None:
-            step, directory = checkpoint
-            self._load_checkpoint(directory)
-            # updates after the checkpoint are lost; versions keep moving forward so rollout never goes back
-            self.version = max(step, latest or 0)
-            log.info("resumed from checkpoint step %d at version %d", step, self.version)
-            if latest is not None and latest >= self.version:
-                return
-        elif latest is not None:
-            raise RuntimeError(f"store already holds version {latest} but no checkpoint; use a fresh run dir")
-        await self._publish()
+        if checkpoint is None:
+            if latest is not None:
+                raise RuntimeError(f"store holds version {latest} but no checkpoint; use a fresh run dir")
+            await self._publish()
+            await self._checkpoint()
+            return
+        step, directory = checkpoint
+        self._load_checkpoint(directory)
+        ledger_step = max((o["step"] for o in (await self.ledger.dump()).values()), default=0)
+        self.version = max(step, latest or 0, ledger_step)
+        log.info("resumed from checkpoint step %d at version %d", step, self.version)
+        if latest is not None and latest >= self.version:
+            await self._announce(await self.store.manifest(latest))  # the last life may have died before this
+        else:
+            await self._publish()
 
     async def _checkpoint(self) -> None:
         with tempfile.TemporaryDirectory(prefix="jetroll-ckpt-") as staging:
@@ -250,6 +254,3 @@ class Trainer:
         await self.bus.publish("metrics", MetricsEvent(job_id=self.config.job_id, service="trainer", name=name,
                                                        value=value, step=self.version))
 
-
-def tokenizer_pad_id(tokenizer: Tokenizer) -> int:
-    return tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id

@@ -328,7 +328,6 @@ def test_trainer_resumes_from_checkpoint(resumed: ResumedRun, redis_url: str) ->
     assert [int(r["step"]) for r in resumed.second.metrics()][-2:] == [5, 6]
 
 
-@pytest.mark.xfail(strict=True, reason="the resumed controller tails `metrics` from 0-0 and re-logs steps 1-4")
 def test_resume_logs_each_step_once(resumed: ResumedRun) -> None:
     assert [int(r["step"]) for r in resumed.second.metrics()] == list(range(1, 7))
 

@@ -61,7 +61,6 @@ def test_override_value_may_contain_equals() -> None:
     assert load_config(SMOKE, ["store.root=/tmp/a=b"]).store.root == "/tmp/a=b"
 
 
-@pytest.mark.xfail(strict=True, reason="YAML turns `job_id=1234` into an int, which the str field rejects")
 def test_numeric_job_id_override() -> None:
     assert load_config(SMOKE, ["job_id=1234"]).job_id == "1234"
 
