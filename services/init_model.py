@@ -67,7 +67,7 @@ def sft_batch(
     rows = []
     for _ in range(batch_size):
         task = get_task(rng.choice(task_names))
-        problem = task.sample(rng)
+        problem = task.sft_sample(rng)
         prompt = tokenizer.encode(problem.prompt)
         target = tokenizer.encode(task.sft_completion(problem)) + [tokenizer.eos_id]
         rows.append((prompt, target))

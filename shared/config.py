@@ -23,10 +23,10 @@ class Strict(BaseModel):
 class WarmStartConfig(Strict):
     """Supervised warm start that turns a random init into a base model RL can improve."""
 
-    steps: int = Field(1000, ge=0, description="SFT optimizer steps on synthetic task data")
+    steps: int = Field(5500, ge=0, description="SFT optimizer steps on synthetic task data")
     seed: int = Field(0, description="seed for init, data and order: the base model is a pure function of config")
     batch_size: int = Field(64, ge=1, description="sequences per SFT step")
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate for SFT")
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate for SFT")
     tasks: list[str] = Field(["arithmetic"], min_length=1, description="tasks whose data the SFT pass sees")
 
 
@@ -35,11 +35,11 @@ class ModelConfig(Strict):
 
     path: str | None = Field(None, description="HF-format model dir; None builds/uses the cached tiny model")
     cache_dir: str = Field("~/.cache/jetroll", description="where the tiny base model is cached")
-    hidden_size: int = Field(256, ge=128, multiple_of=128, description="tiny model width")
+    hidden_size: int = Field(128, ge=128, multiple_of=128, description="tiny model width")
     num_layers: int = Field(4, ge=1, description="tiny model decoder layers")
-    num_heads: int = Field(4, ge=1, description="attention (query) heads")
-    num_kv_heads: int = Field(2, ge=1, description="key/value heads (GQA)")
-    intermediate_size: int = Field(768, ge=128, multiple_of=128, description="SwiGLU hidden width")
+    num_heads: int = Field(2, ge=1, description="attention (query) heads")
+    num_kv_heads: int = Field(1, ge=1, description="key/value heads (GQA)")
+    intermediate_size: int = Field(384, ge=128, multiple_of=128, description="SwiGLU hidden width")
     max_position_embeddings: int = Field(4096, ge=2304, description="context length")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
     tie_word_embeddings: bool = Field(True, description="share the embedding and lm_head weights")

@@ -41,6 +41,10 @@ class Task(Protocol):
         """A deterministic held-out set of n problems, disjoint from training by construction."""
         ...
 
+    def sft_sample(self, rng: random.Random) -> Problem:
+        """A problem for the supervised warm start: training split only, may follow a curriculum."""
+        ...
+
     def sft_completion(self, problem: Problem) -> str:
         """The target completion text for the supervised warm start (without EOS)."""
         ...
@@ -100,11 +104,26 @@ class ArithmeticTask:
     def _draw(self, rng: random.Random) -> tuple[int, str, int]:
         return rng.randint(0, self.max_operand), rng.choice("+-"), rng.randint(0, self.max_operand)
 
-    def sample(self, rng: random.Random) -> Problem:
+    def _draw_digit_balanced(self, rng: random.Random) -> tuple[int, str, int]:
+        def operand() -> int:
+            digits = rng.randint(1, len(str(self.max_operand)))
+            return rng.randint(0 if digits == 1 else 10 ** (digits - 1), min(10**digits - 1, self.max_operand))
+
+        return operand(), rng.choice("+-"), operand()
+
+    def _sample_with(self, draw: Callable[[random.Random], tuple[int, str, int]], rng: random.Random) -> Problem:
         while True:
-            params = self._draw(rng)
+            params = draw(rng)
             if not is_heldout(self.key(*params)):
                 return self.make(*params)
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self._sample_with(self._draw, rng)
+
+    def sft_sample(self, rng: random.Random) -> Problem:
+        # operand lengths drawn uniformly: the short problems teach the digit-wise algorithm, which a
+        # from-scratch model otherwise finds only after a long plateau on uniform 3-digit operands
+        return self._sample_with(self._draw_digit_balanced, rng)
 
     def heldout(self, n: int) -> list[Problem]:
         return _heldout_problems(n, self._draw, self.key, self.make, "arithmetic-heldout", 100 * n + 10_000)
@@ -160,6 +179,9 @@ class CountTask:
 
     def heldout(self, n: int) -> list[Problem]:
         return _heldout_problems(n, self._draw, self.key, self.make, "count-heldout", 100 * n + 10_000)
+
+    def sft_sample(self, rng: random.Random) -> Problem:
+        return self.sample(rng)
 
     def sft_completion(self, problem: Problem) -> str:
         return problem.answer
