@@ -23,7 +23,7 @@ class Strict(BaseModel):
 class WarmStartConfig(Strict):
     """Supervised warm start that turns a random init into a base model RL can improve."""
 
-    steps: int = Field(5500, ge=0, description="SFT optimizer steps on synthetic task data")
+    steps: int = Field(5250, ge=0, description="SFT optimizer steps on synthetic task data")
     seed: int = Field(0, description="seed for init, data and order: the base model is a pure function of config")
     batch_size: int = Field(64, ge=1, description="sequences per SFT step")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate for SFT")
