@@ -78,9 +78,10 @@ class Trainer:
             await self.ledger.record({g.group_id: {"step": self.version, "status": "trained",
                                                    "traj_ids": sorted(g.samples)} for g in groups})
             await self.bus.ack(STREAM, GROUP, *(i for g in groups for i in g.entry_ids))
-            await self._publish()
             stats["step_time_s"] = time.perf_counter() - started
+            # metrics before the weights event: the controller stops at the last version, its row already read
             await self._emit(stats)
+            await self._publish()
             if self.version % self.config.trainer.checkpoint_every == 0:
                 await self._checkpoint()
         log.info("trainer done at version %d", self.version)
