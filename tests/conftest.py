@@ -53,7 +53,7 @@ def redis_url(redis_servers: _RedisServers) -> str:
     try:
         binary = find_redis_server()
     except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+        pytest.fail(f"integration tests need a Redis server: {exc}")
     return redis_servers.url(binary)
 
 
@@ -61,5 +61,5 @@ def redis_url(redis_servers: _RedisServers) -> str:
 def any_redis_url(request: pytest.FixtureRequest, redis_servers: _RedisServers) -> str:
     """URL of a private server, parametrized over every available binary so tests run on 6.2 and 7.x."""
     if request.param not in REDIS_BINARIES:
-        pytest.skip("no redis-server binary available")
+        pytest.fail("integration tests need a Redis server: no redis-server binary found")
     return redis_servers.url(REDIS_BINARIES[request.param])
