@@ -16,7 +16,7 @@ from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
 from shared.model import load_pretrained
-from shared.store import WeightStore
+from shared.store import WeightStore, WeightStoreError
 from shared.tasks import get_task
 from shared.tokenizer import load_tokenizer
 
@@ -54,17 +54,21 @@ class Controller:
             while self.version < self.config.trainer.max_steps:
                 await self._admit()
                 weights_id, events = await self.bus.tail("weights", weights_id, block_ms=0)
-                for event in events:
-                    if isinstance(event, WeightsPublishedEvent):
-                        self.version = view.version = max(self.version, event.version)
+                published = [e.version for e in events if isinstance(e, WeightsPublishedEvent)]
                 metrics_id, events = await self.bus.tail("metrics", metrics_id, block_ms=100, count=1000)
                 for event in events:
                     if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
                         view.stream_lags = await self._stream_lags()
                         view.update(row)
-                        every = self.config.eval.every_steps
-                        if every and int(row["step"]) % every == 0 and int(row["step"]) < self.config.trainer.max_steps:
-                            await self._evaluate(int(row["step"]))
+                # evaluate a version only once its weights event says it is in the store
+                every = self.config.eval.every_steps
+                for version in published:
+                    if every and version % every == 0 and self.version < version < self.config.trainer.max_steps:
+                        try:
+                            await self._evaluate(version)
+                        except WeightStoreError as exc:  # retention may already have removed it
+                            log.warning("skipping the held-out eval of v%d: %s", version, exc)
+                    self.version = view.version = max(self.version, version)
                 self.admission.num_dropped = self.book.num_dropped
                 view.update()
         accuracy_after = await self._evaluate(self.version)

@@ -231,9 +231,11 @@ def test_smoke_fp32_with_malformed_events(start_job: Callable[..., Job], redis_u
 
 
 def test_smoke_fp8_unified(start_job: Callable[..., Job]) -> None:
-    job = start_job("precision.mode=fp8_unified")
+    job = start_job("precision.mode=fp8_unified", "eval.every_steps=2")
     assert job.wait() == 0, job.stderr()
     summary = check_summary(job, max_steps=4)
+    evals = [json.loads(line) for line in (job.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2, 4]  # base, periodic (once its weights exist), final
     assert summary["precision"] == "fp8_unified"
     # the same FP8 tensors on both sides: the trainer matches the rollout at the same version
     assert summary["mismatch_mean_abs_logprob"] < 1e-3
