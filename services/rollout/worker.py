@@ -88,18 +88,14 @@ class RolloutWorker:
 
     async def _loop(self) -> None:
         assert self.engine is not None
-        engine, rollout = self.engine, self.config.rollout
+        engine = self.engine
         claims_kept_at = time.monotonic()
         while True:
             if time.monotonic() - claims_kept_at > self.config.redis.claim_idle_ms / 3000:
                 await self.bus.keep_claimed(self.stream, "rollout", self.consumer,
                                             [g.entry_id for g in self.groups.values()])
                 claims_kept_at = time.monotonic()
-            if self.pending_weights is not None:
-                version, state = self.pending_weights
-                self.pending_weights = None
-                engine.swap_weights(state, version, recompute_kv=rollout.recompute_kv_on_swap)
-                await self._metric("weight_version", version)
+            await self._swap_pending()
             group_size = self.config.trainer.group_size
             if engine.num_free_slots >= group_size:
                 deliveries = await self.bus.consume(self.stream, "rollout", self.consumer,
@@ -116,6 +112,16 @@ class RolloutWorker:
             if finished:
                 await self._emit(finished)
 
+    async def _swap_pending(self) -> None:
+        """Swap in weights loaded in the background; called only at a token boundary."""
+        assert self.engine is not None
+        if self.pending_weights is None:
+            return
+        version, state = self.pending_weights
+        self.pending_weights = None
+        self.engine.swap_weights(state, version, recompute_kv=self.config.rollout.recompute_kv_on_swap)
+        await self._metric("weight_version", version)
+
     async def _start(self, group: GroupEvent, entry_id: str) -> None:
         assert self.engine is not None
         if group.group_id in self.groups:  # our own entry, reclaimed while still in flight
@@ -124,10 +130,7 @@ class RolloutWorker:
         if group.min_version > self.engine.version:
             if self._current_version() < group.min_version:
                 await self._load(await self.store.latest() or group.min_version)
-            if self.pending_weights is not None:
-                version, state = self.pending_weights
-                self.pending_weights = None
-                self.engine.swap_weights(state, version, self.config.rollout.recompute_kv_on_swap)
+            await self._swap_pending()
         prompt_ids = group.prompt_ids.numpy().tolist()
         max_new = min(group.max_new_tokens, self.engine.max_len - len(prompt_ids))
         self.groups[group.group_id] = InFlightGroup(group, entry_id, group.group_size)
