@@ -10,10 +10,12 @@ __all__ = ["REWARDS", "RewardFn", "RewardOutput", "get_reward", "reward"]
 
 @dataclass(frozen=True, slots=True)
 class RewardOutput:
-    """What a reward function returns: a reward in [0, 1] and whether the completion is exactly right."""
+    """What a reward function returns: a reward in [0, 1], whether the completion is exactly right, and a short
+    human-readable note on why (e.g. which code test failed), empty when there is nothing to add."""
 
     reward: float
     correct: bool
+    details: str = ""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reward <= 1.0:

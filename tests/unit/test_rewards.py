@@ -1,11 +1,23 @@
-"""Built-in rewards: exact, partial credit, garbage (0, never an exception), and the registry."""
+"""Built-in rewards (all but `code`, tested with the sandbox): exact, partial credit, garbage (0, never an
+exception), bad answers (an error), and the registry."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
 import pytest
 
 from functions.registry import REWARDS, RewardOutput, get_reward, reward
-from functions.rewards import arithmetic_reward, count_reward
+from functions.rewards import (
+    arithmetic_reward,
+    count_reward,
+    exact_match_reward,
+    format_reward,
+    length_reward,
+    math_reward,
+    token_f1_reward,
+)
 
 
 def test_arithmetic_exact() -> None:
@@ -62,3 +74,77 @@ def test_registry() -> None:
 def test_reward_output_bounds() -> None:
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         RewardOutput(1.5, True)
+
+
+MATH_EQUIVALENT = [
+    (r"The answer is $\boxed{0.5}$.", r"\frac{1}{2}"),
+    ("So it is 1/2", "0.5"),
+    (r"$\frac{2}{4}$", r"$\frac{1}{2}$"),
+    (r"Therefore \boxed{\sqrt{2}}", r"\sqrt{2}"),
+    (r"$x^2 + 1$", "1 + x^2"),
+    (r"\boxed{42}", r"\boxed{42}"),
+]
+
+
+@pytest.mark.parametrize(("completion", "answer"), MATH_EQUIVALENT)
+def test_math_equivalent_answers(completion: str, answer: str) -> None:
+    assert math_reward(completion, answer) == RewardOutput(1.0, True)
+
+
+def test_math_wrong_answer() -> None:
+    assert math_reward(r"The answer is $\boxed{3}$", "4") == RewardOutput(0.0, False)
+    assert math_reward(r"$\frac{1}{3}$", "0.5") == RewardOutput(0.0, False)
+
+
+@pytest.mark.parametrize("garbage", GARBAGE + [r"\boxed{", "}}}{{{ $$ \\frac{", "\ud800", "no numbers here"])
+def test_math_garbage_scores_zero_without_error(garbage: str) -> None:
+    out = math_reward(garbage, r"\frac{1}{2}")
+    assert (out.reward, out.correct) == (0.0, False)
+
+
+def test_math_unparsable_answer_raises() -> None:
+    with pytest.raises(ValueError, match="cannot be parsed"):
+        math_reward("1", "")
+
+
+def test_math_off_the_main_thread() -> None:
+    # math-verify's signal-based timeout only works in the main thread; elsewhere it must still score.
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math_reward, r"$\boxed{0.5}$", r"\frac{1}{2}").result() == RewardOutput(1.0, True)
+
+
+def test_exact_match() -> None:
+    assert exact_match_reward("  Paris\n", "Paris") == RewardOutput(1.0, True)
+    assert exact_match_reward("paris", "Paris") == RewardOutput(0.0, False)
+
+
+def test_token_f1() -> None:
+    assert token_f1_reward("The Eiffel Tower!", "eiffel tower") == RewardOutput(1.0, True)
+    assert token_f1_reward("Eiffel", "the Eiffel Tower") == RewardOutput(2 / 3, False)  # precision 1, recall 1/2
+    assert token_f1_reward("tower eiffel", "Eiffel Tower") == RewardOutput(1.0, False)  # same tokens, wrong order
+    assert token_f1_reward("Paris", "London") == RewardOutput(0.0, False)
+    assert token_f1_reward("", "London") == RewardOutput(0.0, False)
+    assert token_f1_reward("\x00 ???", "London") == RewardOutput(0.0, False)
+
+
+def test_format() -> None:
+    think = r"<think>.*</think>\s*<answer>.*</answer>"
+    assert format_reward("<think>hmm\n2+2</think>\n<answer>4</answer>\n", think) == RewardOutput(1.0, True)
+    assert format_reward("<answer>4</answer>", think) == RewardOutput(0.0, False)
+    assert format_reward("", think) == RewardOutput(0.0, False)
+
+
+def test_length() -> None:
+    assert length_reward(" hello \n", '{"max_chars": 5}') == RewardOutput(1.0, True, "5 chars")
+    assert length_reward("hello!", {"max_chars": 5}) == RewardOutput(0.0, False, "6 chars")  # a decoded dict too
+    assert length_reward("hi", {"min_chars": 3, "max_chars": 5}).reward == 0.0
+    with pytest.raises(ValueError, match="min_chars <= max_chars"):
+        length_reward("hi", {"min_chars": 6, "max_chars": 5})
+    with pytest.raises(msgspec.ValidationError, match="max_chars"):
+        length_reward("hi", "{}")
+
+
+def test_builtin_rewards_are_registered() -> None:
+    names = {"arithmetic", "count", "math", "code", "exact_match", "token_f1", "format", "length"}
+    assert names <= set(REWARDS)
+    assert RewardOutput(1.0, True).details == ""
