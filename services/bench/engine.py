@@ -55,11 +55,14 @@ def _hf_runner(hf_model: Any, prompts: torch.Tensor, new_tokens: int) -> Callabl
     return run
 
 
-def _engine_runner(model: CausalLM, prompts: torch.Tensor, new_tokens: int, eos_id: int) -> Callable[[], None]:
+def _engine_runner(
+    model: CausalLM, prompts: torch.Tensor, new_tokens: int, eos_id: int, compile: bool
+) -> tuple[Callable[[], None], float]:
+    """The timed run, and the engine's compile time (paid once at construction, outside the runs)."""
     from services.rollout.engine import Engine, Request
 
     bsz, prompt_len = prompts.shape
-    engine = Engine(model, eos_id=eos_id, max_batch=bsz, max_len=prompt_len + new_tokens, seed=SEED)
+    engine = Engine(model, eos_id=eos_id, max_batch=bsz, max_len=prompt_len + new_tokens, seed=SEED, compile=compile)
     rows = prompts.tolist()
 
     def run() -> None:
@@ -67,7 +70,7 @@ def _engine_runner(model: CausalLM, prompts: torch.Tensor, new_tokens: int, eos_
         engine.generate(requests)
         assert all(len(r.output_ids) == new_tokens for r in requests)
 
-    return run
+    return run, engine.compile_s
 
 
 def run_engine_bench(
@@ -77,6 +80,7 @@ def run_engine_bench(
     threads: int = 2,
     repeats: int = 3,
     include_fp8: bool = True,
+    compile: bool = True,
 ) -> dict[str, Any]:
     """Tokens/s of jetroll (fp32, optionally fp8_unified) vs HF `Qwen2ForCausalLM.generate()`, per batch size."""
     transformers = _import_hf()
@@ -97,12 +101,13 @@ def run_engine_bench(
         rows = []
         for bsz in batch_sizes:
             prompts = torch.randint(len(SPECIAL_TOKENS), tokenizer.vocab_size, (bsz, prompt_len), generator=generator)
-            runners = {
-                "hf": _hf_runner(hf_model, prompts, new_tokens),
-                "jetroll_fp32": _engine_runner(fp32_model, prompts, new_tokens, tokenizer.eos_id),
-            }
+            runners = {"hf": _hf_runner(hf_model, prompts, new_tokens)}
+            compile_s = {}
+            runners["jetroll_fp32"], compile_s["jetroll_fp32"] = _engine_runner(
+                fp32_model, prompts, new_tokens, tokenizer.eos_id, compile)
             if fp8_model is not None:
-                runners["jetroll_fp8"] = _engine_runner(fp8_model, prompts, new_tokens, tokenizer.eos_id)
+                runners["jetroll_fp8"], compile_s["jetroll_fp8"] = _engine_runner(
+                    fp8_model, prompts, new_tokens, tokenizer.eos_id, compile)
             warmup_s = {name: _timed(run) for name, run in runners.items()}
             runs_s: dict[str, list[float]] = {name: [] for name in runners}
             for _ in range(repeats):  # interleaved, so machine noise hits every side alike
@@ -117,6 +122,7 @@ def run_engine_bench(
                 "jetroll_fp8_tokens_per_s": tps.get("jetroll_fp8"),
                 "speedup_fp32_vs_hf": tps["jetroll_fp32"] / tps["hf"],
                 "fp8_over_fp32": tps["jetroll_fp8"] / tps["jetroll_fp32"] if "jetroll_fp8" in tps else None,
+                "compile_s": compile_s,
                 "warmup_s": warmup_s,
                 "runs_s": runs_s,
             }
@@ -141,7 +147,9 @@ def run_engine_bench(
             "statistic": "median of repeats after one warm-up run; tokens/s counts new tokens only, prefill included",
             "hf": "Qwen2ForCausalLM.generate(do_sample=True, top_k=0, top_p=1, temperature=1, "
                   "min_new_tokens=max_new_tokens) under inference_mode; sdpa attention, DynamicCache",
-            "jetroll": "Engine.generate, temperature=1, top_p=1, ignore_eos; no compilation (warm-up = first run)",
+            "jetroll": "Engine.generate, temperature=1, top_p=1, ignore_eos; "
+                       + ("decode under torch.compile (compile_s: once per engine, not in runs_s)" if compile
+                          else "eager decode (warm-up = first run)"),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "cpu": platform.processor() or platform.machine(),
@@ -163,7 +171,8 @@ def print_table(result: dict[str, Any]) -> None:
     config = result["config"]
     table = Table(title=f"engine decode, {config['prompt_len']}-token prompts, {config['new_tokens']} new tokens, "
                         f"{config['threads']} threads (tokens/s, median of {config['repeats']})")
-    for column in ("batch", "HF generate", "jetroll fp32", "speedup", "jetroll fp8", "fp8/fp32", "warm-up s"):
+    for column in ("batch", "HF generate", "jetroll fp32", "speedup", "jetroll fp8", "fp8/fp32", "warm-up s",
+                   "compile s"):
         table.add_column(column, justify="right")
     for row in result["rows"]:
         fp8 = row["jetroll_fp8_tokens_per_s"]
@@ -176,6 +185,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{fp8:.0f}" if fp8 is not None else "-",
             f"{row['fp8_over_fp32']:.2f}x" if row["fp8_over_fp32"] is not None else "-",
             warmup,
+            " / ".join(f"{name.removeprefix('jetroll_')} {s:.1f}" for name, s in row["compile_s"].items()),
         )
     console = Console()
     console.print(table)
