@@ -70,6 +70,7 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, gt=0, description="sampling temperature (mu is log-softmax(logits / T))")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; mu stays the untruncated log-prob")
     recompute_kv_on_swap: bool = Field(True, description="recompute in-flight KV caches after a weight swap")
+    compile: bool = Field(True, description="torch.compile the decode step (tens of seconds once per worker)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
 
 

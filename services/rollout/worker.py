@@ -48,9 +48,10 @@ class RolloutWorker:
         version = await self._wait_for_weights()
         model, self.tokenizer = load_pretrained(await self.store.fetch(version), self.config.precision)
         self.engine = Engine(model, self.tokenizer.eos_id, self.config.rollout.max_batch,
-                             self.config.rollout.max_seq_len, seed=hash(self.consumer) % (1 << 31))
+                             self.config.rollout.max_seq_len, seed=hash(self.consumer) % (1 << 31),
+                             compile=self.config.rollout.compile)
         self.engine.version = version
-        log.info("%s serving version %d", self.consumer, version)
+        log.info("%s serving version %d (decode compile %.1f s)", self.consumer, version, self.engine.compile_s)
         watcher = asyncio.create_task(self._watch_weights())
         try:
             await self._loop()
