@@ -64,14 +64,19 @@ class RolloutWorker:
         return version
 
     async def _watch_weights(self) -> None:
-        """Tail the weights stream; load a newer version in the background, swap at the next token boundary."""
+        """Tail the weights stream, polling LATEST as a fallback for a missed event; load a newer version in the
+        background, swap at the next token boundary."""
         last_id = "0-0"
+        polled_at = time.monotonic()
         while True:
             last_id, events = await self.bus.tail("weights", last_id, block_ms=1000)
-            newest = max((e for e in events if isinstance(e, WeightsPublishedEvent)), key=lambda e: e.version,
-                         default=None)
-            if newest is not None and newest.version > self._current_version():
-                await self._load(newest.version)
+            # 0 stands for "nothing new": a serving worker is at version 0 or later
+            newest = max((e.version for e in events if isinstance(e, WeightsPublishedEvent)), default=0)
+            if time.monotonic() - polled_at >= self.config.store.poll_interval_s:
+                polled_at = time.monotonic()
+                newest = max(newest, await self.store.latest() or 0)
+            if newest > self._current_version():
+                await self._load(newest)
 
     def _current_version(self) -> int:
         assert self.engine is not None

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import StoreConfig
-from shared.store import LocalWeightStore, WeightStoreError, setup_store
+from shared.config import ConfigError, StoreConfig, load_config, validate_config
+from shared.store import LocalWeightStore, S3WeightStore, WeightStoreError, setup_store
 
 
 def model_dir(path: Path, seed: int = 0) -> Path:
@@ -203,5 +203,25 @@ def test_setup_store(tmp_path: Path) -> None:
     assert store.weights_dir == (tmp_path / "run" / "store" / "jobA" / "weights").resolve()
     store = setup_store(StoreConfig(root=str(tmp_path / "elsewhere")), "jobA", tmp_path / "run")
     assert store.root == (tmp_path / "elsewhere").resolve()
-    with pytest.raises(ValueError, match=r"unknown store type 's3'; valid: \['local'\]"):
-        setup_store(StoreConfig.model_construct(type="s3", root="", keep_last=3), "jobA", tmp_path)
+    store = setup_store(StoreConfig(uri="s3://bkt/a/b/", endpoint_url="http://127.0.0.1:9"), "jobA", tmp_path / "run")
+    assert isinstance(store, S3WeightStore)
+    assert (store.bucket, store.weights_prefix, store.endpoint_url) == ("bkt", "a/b/jobA/weights", "http://127.0.0.1:9")
+    assert store.uri(3) == "s3://bkt/a/b/jobA/weights/v00000003/manifest.json"
+    assert store.cache_dir == (tmp_path / "run" / "store" / "jobA" / "s3-cache").resolve()
+    with pytest.raises(ValueError, match=r"unknown store type 'gcs'; valid: \['local', 's3'\]"):
+        setup_store(StoreConfig.model_construct(type="gcs", root="", keep_last=3), "jobA", tmp_path)
+
+
+def test_store_config_uri() -> None:
+    config = load_config(None, ["store.uri=s3://my-bucket/runs/a/", "store.endpoint_url=http://127.0.0.1:9000"])
+    assert config.store.type == "s3" and config.store.bucket_and_prefix == ("my-bucket", "runs/a")
+    assert validate_config(config.model_dump()).store == config.store  # the launcher's round trip
+    assert load_config(None).store.type == "local"
+    for bad in ("http://bucket/x", "s3://Bad_Bucket/x", "s3://", "s3:/bucket"):
+        with pytest.raises(ConfigError, match="store.uri must look like s3://bucket/prefix") as err:
+            load_config(None, [f"store.uri={bad}"])
+        assert len(str(err.value).splitlines()) == 1
+    with pytest.raises(ConfigError, match="store.uri must look like s3://bucket/prefix .*got ''"):
+        load_config(None, ["store.type=s3"])
+    with pytest.raises(ConfigError, match="store.type 'local' conflicts with store.uri"):
+        load_config(None, ["store.type=local", "store.uri=s3://bucket/x"])
