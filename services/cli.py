@@ -50,6 +50,31 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--new-tokens", type=int, default=256)
     engine.add_argument("--repeats", type=int, default=3)
     engine.add_argument("--threads", type=int, default=2)
+    engine.add_argument("--no-compile", action="store_true", help="eager decode (skips torch.compile)")
+    store = bench_sub.add_parser("store", help="weight store publish+fetch vs the essential work (local, S3)")
+    store.add_argument("--json", action="store_true", help="print one JSON object")
+    store.add_argument("--synthetic-mb", type=int, default=200, help="size of the synthetic checkpoint's shard")
+    store.add_argument("--repeats", type=int, default=5)
+    store.add_argument("--multipart-threshold-mib", type=int, help="S3 files this big go multipart (default: store's)")
+    bench_async = bench_sub.add_parser("async", help="async (eta 0, 1, 2, 4) vs sync speedup at cv 0.5, 1, 2 on the "
+                                       "timing models, through the real services")
+    bench_async.add_argument("--json", action="store_true", help="print one JSON object")
+    bench_async.add_argument("--quick", action="store_true", help="one small setting (cv 1, eta 2): a smoke test")
+    bench_async.add_argument("--seed", type=int, default=0, help="seed of the length draws")
+    bench_async.add_argument("--run-dir", type=Path, help="keep every setting's run here (default: a temp dir)")
+    reward = bench_sub.add_parser("reward", help="reward backends local | celery | lambda: rewards/s, p50/p99 latency")
+    reward.add_argument("--json", action="store_true", help="print one JSON object")
+    reward.add_argument("--concurrency", default="1,8,32", help="calls kept in flight, comma-separated")
+    reward.add_argument("--calls", type=int, default=400, help="calls per backend and concurrency level")
+    reward.add_argument("--workers", type=int, default=4, help="executors per backend (processes, environments)")
+    reward.add_argument("--backends", default="local,celery,lambda", help="comma-separated")
+    mismatch = bench_sub.add_parser("mismatch", help="training-inference log-prob mismatch by precision mode and "
+                                    "rollout length (exact backend)")
+    mismatch.add_argument("--json", action="store_true", help="print one JSON object")
+    mismatch.add_argument("--lengths", default="128,256,512,1024,2048", help="completion lengths, comma-separated")
+    mismatch.add_argument("--samples", type=int, default=8, help="sampled completions, scored by every mode")
+    mismatch.add_argument("--threads", type=int, default=1)
+    mismatch.add_argument("--model", help="an HF-format model dir instead of the random tiny model")
     return parser
 
 
@@ -80,10 +105,52 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "async":
+        from services.bench import async_
+
+        result = async_.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            async_.print_table(result)
+        return 0
+    if args.bench == "mismatch":
+        from services.bench import mismatch
+
+        result = mismatch.run_mismatch_bench(lengths=tuple(int(n) for n in args.lengths.split(",")),
+                                             num_samples=args.samples, threads=args.threads,
+                                             model_path=args.model)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            mismatch.print_table(result)
+        return 0
+    if args.bench == "reward":
+        from services.bench import reward
+
+        result = reward.run_reward_bench(concurrency=tuple(int(c) for c in args.concurrency.split(",")),
+                                         num_calls=args.calls, workers=args.workers,
+                                         backends=tuple(args.backends.split(",")))
+        if args.json:
+            print(json.dumps(result))
+        else:
+            reward.print_table(result)
+        return 0
+    if args.bench == "store":
+        from services.bench import store
+
+        result = store.run_store_bench(synthetic_mb=args.synthetic_mb, repeats=args.repeats,
+                                       multipart_threshold_mib=args.multipart_threshold_mib)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            store.print_table(result)
+        return 0
     from services.bench.engine import print_table, run_engine_bench
 
     result = run_engine_bench(batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
-                              new_tokens=args.new_tokens, repeats=args.repeats, threads=args.threads)
+                              new_tokens=args.new_tokens, repeats=args.repeats, threads=args.threads,
+                              compile=not args.no_compile)
     if args.json:
         print(json.dumps(result))
     else:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from services.reward.backend import needs_celery_worker
 from shared.config import JobConfig, validate_config
 
 POLL_S = 0.5
@@ -22,7 +23,7 @@ STOP_TIMEOUT_S = 10.0
 @dataclass(slots=True)
 class Service:
     name: str  # also the base of the consumer name
-    kind: str  # controller | rollout | reward | trainer
+    kind: str  # controller | rollout | reward | trainer | celery (a reward worker)
     process: subprocess.Popen | None = None
     num_restarts: int = 0
     is_done: bool = False
@@ -30,9 +31,10 @@ class Service:
 
 
 class Launcher:
-    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str) -> None:
+    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str, is_console: bool = True) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.is_console = is_console  # False: the controller's progress goes to its log too (benchmarks)
         self.redis_url = redis_url
         self.config_path = run_dir / "config.json"
         self.config_path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
@@ -40,17 +42,26 @@ class Launcher:
         rollouts = [Service(f"rollout-{i}", "rollout") for i in range(config.rollout.num_workers)]
         self.services = [Service("trainer", "trainer"), Service("reward", "reward"), *rollouts,
                          Service("controller", "controller")]
+        if needs_celery_worker(config.reward, [task.name for task in config.tasks]):
+            self.services.insert(0, Service("celery-worker", "celery"))
 
     def start(self, service: Service) -> None:
         consumer = service.name if not service.num_restarts else f"{service.name}-r{service.num_restarts}"
         cmd = [sys.executable, "-m", "services.cli", service.kind, "--config", str(self.config_path),
                "--redis-url", self.redis_url, "--consumer", consumer, "--run-dir", str(self.run_dir)]
+        env = None
+        if service.kind == "celery":
+            from services.reward.celery_worker import worker_command, worker_env
+
+            reward = self.config.reward
+            cmd = worker_command(reward, node=f"jetroll-{self.config.job_id}-{consumer}@localhost")
+            env = {**os.environ, **worker_env(reward, reward.celery_broker_url or self.redis_url)}
         if service.log is None:
             service.log = (self.run_dir / "logs" / f"{service.name}.log").open("ab")
         # the controller owns the console (progress view); the others log to files
-        out = None if service.kind == "controller" else service.log
+        out = None if service.kind == "controller" and self.is_console else service.log
         # own session: a Ctrl-C reaches only the launcher, which then stops every child in order
-        service.process = subprocess.Popen(cmd, stdout=out, stderr=service.log, start_new_session=True)
+        service.process = subprocess.Popen(cmd, stdout=out, stderr=service.log, start_new_session=True, env=env)
 
     def supervise(self) -> int:
         """Run until the controller finishes (0) or a service dies more than max_restarts times (1)."""
@@ -71,6 +82,7 @@ class Launcher:
                     print(f"jetroll: service {service.name} died (exit {code}) after {service.num_restarts} "
                           f"restarts; see {self.run_dir / 'logs' / (service.name + '.log')}", file=sys.stderr)
                     return 1
+                _kill_orphans(service)
                 service.num_restarts += 1
                 print(f"jetroll: service {service.name} died (exit {code}); restart "
                       f"{service.num_restarts}/{self.config.launch.max_restarts}", file=sys.stderr)
@@ -89,8 +101,16 @@ class Launcher:
                 process.kill()
                 process.wait()
         for service in self.services:
+            _kill_orphans(service)
             if service.log:
                 service.log.close()
+
+
+def _kill_orphans(service: Service) -> None:
+    """A Celery worker's pool children outlive a killed main process: end its whole process group."""
+    if service.kind == "celery" and service.process is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(service.process.pid, signal.SIGKILL)
 
 
 def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:

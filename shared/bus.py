@@ -74,6 +74,15 @@ class RedisBus:
                 pipe.xadd(self.key(stream), {FIELD: encode(event)})
             return [_s(entry_id) for entry_id in await pipe.execute()]
 
+    async def publish_indexed(self, stream: str, events: list[Event], index: str, scores: dict[str, float]) -> None:
+        """XADD events and ZADD `scores` (member -> score) to the sorted set `index`, in one transaction: a reader
+        of the index never sees a member whose event was lost, nor an event missing from the index."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(self.key(index), scores)
+            for event in events:
+                pipe.xadd(self.key(stream), {FIELD: encode(event)})
+            await pipe.execute()
+
     async def ensure_group(self, stream: str, group: str) -> None:
         """Create the consumer group at the start of the stream (creating the stream) unless it exists."""
         try:

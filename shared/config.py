@@ -59,9 +59,29 @@ class TaskWeight(Strict):
     weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
 
 
+class TimingEngineConfig(Strict):
+    """The timing-model engine (`rollout.engine: timing`): no model runs. Completion lengths are drawn from a
+    lognormal (a pure function of `seed` and the traj_id) and each slot spends `token_time_s` per token, so
+    orchestration can be measured at scale on a few cores. Tokens and log-probs are synthetic; versions are real."""
+
+    mean_tokens: int = Field(512, ge=1, description="mean completion length in tokens (the task's budget is ignored)")
+    cv: float = Field(1.0, ge=0, description="coefficient of variation of the lognormal length (0: fixed length)")
+    max_tokens: int = Field(1 << 16, ge=1, description="cap on a drawn length (finish_reason length)")
+    token_time_s: float = Field(2e-4, gt=0, description="decode time per token of one slot; all slots run in parallel")
+    chunk_tokens: int = Field(16, ge=16, description="the engine advances every slot in whole chunks of this many "
+                              "tokens; weight swaps and finishes land on chunk boundaries")
+    fail_frac: float = Field(0.0, ge=0, le=1, description="fraction of samples whose environment fails (env_status "
+                             "error: the reward router records env_fail, the trainer drops the group)")
+    fail_slowdown: float = Field(10.0, ge=1, description="a failing sample takes this many times longer")
+    seed: int = Field(0, description="seed of the length and failure draws")
+
+
 class RolloutConfig(Strict):
     """Rollout workers: a continuous-batching engine per worker."""
 
+    engine: Literal["real", "timing"] = Field("real", description="real: the model decodes; timing: the timing "
+                                              "model (rollout.timing) stands in for it, for orchestration benchmarks")
+    timing: TimingEngineConfig = Field(default_factory=TimingEngineConfig)
     pool: str = Field("default", description="hardware pool this worker serves")
     num_workers: int = Field(1, ge=1, description="rollout worker processes")
     max_batch: int = Field(128, ge=1, description="decode slots per worker")
@@ -75,13 +95,68 @@ class RolloutConfig(Strict):
 
 
 class RewardConfig(Strict):
-    """The reward router: runs each task's reward function in a local process pool."""
+    """The reward router: scores each task's reward on a backend (local pool, Celery or AWS Lambda) and owns
+    retries: throttling with backoff, a timeout or error `max_retries` times on local and celery, never on lambda."""
 
-    backend: Literal["local"] = Field("local", description="reward backend")
-    num_workers: int = Field(1, ge=1, description="reward pool processes")
-    timeout_s: float = Field(10.0, gt=0, description="per-call timeout; the worker is killed and replaced")
-    max_retries: int = Field(1, ge=0, description="retries of a timeout or error (local backend)")
+    backend: Literal["local", "celery", "lambda"] = Field("local", description="backend of every task not in "
+                                                          "task_backends")
+    task_backends: dict[str, Literal["local", "celery", "lambda"]] = Field(
+        default_factory=dict, description="per-task backend overrides, e.g. {code: lambda}")
+    modules: list[str] = Field(default_factory=list, description="extra modules whose @reward functions the local "
+                               "pool and a launched Celery worker import (remote runners: JETROLL_REWARD_MODULES)")
+    num_workers: int = Field(1, ge=1, description="local backend: pool processes (its concurrency limit)")
+    timeout_s: float = Field(10.0, gt=0, description="per-call limit: local kills the worker, celery's soft time "
+                             "limit, lambda's function timeout")
+    max_retries: int = Field(1, ge=0, description="retries of a timeout or error on local and celery; lambda "
+                             "never retries them (the handler may have run)")
+    max_throttle_retries: int = Field(5, ge=0, description="retries of a throttled call (429) before `throttled` "
+                                      "is final")
+    throttle_backoff_s: float = Field(0.2, gt=0, description="first backoff after a throttle; doubles, with jitter")
+    celery_broker_url: str | None = Field(None, description="Celery Redis broker; None uses the job's Redis")
+    celery_queue: str = Field("jetroll.reward", min_length=1, description="Celery queue of reward tasks")
+    celery_concurrency: int = Field(4, ge=1, description="celery: tasks in flight, and the launched worker's "
+                                    "prefork processes")
+    celery_hard_grace_s: float = Field(5.0, gt=0, description="celery hard time limit = timeout_s + this")
+    celery_visibility_timeout_s: float = Field(300.0, gt=0, description="broker redelivers a task unacked this "
+                                               "long (its worker died); must exceed the hard limit")
+    celery_start_worker: bool = Field(True, description="`jetroll run` starts a Celery worker when a task uses "
+                                      "celery (false: bring your own on celery_broker_url)")
+    lambda_function: str = Field("jetroll-reward", min_length=1, description="Lambda function for rewards not in "
+                                 "lambda_functions")
+    lambda_functions: dict[str, str] = Field(default_factory=dict, description="reward name -> function name/ARN")
+    lambda_endpoint_url: str | None = Field(None, description="Lambda API endpoint (local server); None is AWS")
+    lambda_region: str = Field("us-east-1", description="AWS region of the functions")
+    lambda_concurrency: int = Field(32, ge=1, description="lambda: invocations in flight")
+    lambda_read_timeout_s: float | None = Field(None, gt=0, description="HTTP read timeout; None is timeout_s + "
+                                                "10. Above the function timeout, so a client timeout never "
+                                                "re-runs a handler")
     threads: int = Field(1, ge=1, description="torch threads for the router process")
+
+    @model_validator(mode="after")
+    def _limits(self) -> RewardConfig:
+        from shared.tasks import TASKS
+
+        for task in self.task_backends:
+            if task not in TASKS:
+                raise ValueError(f"reward.task_backends: unknown task {task!r}; valid: {sorted(TASKS)}")
+        if self.celery_visibility_timeout_s <= self.celery_hard_time_limit_s:
+            raise ValueError("reward.celery_visibility_timeout_s must exceed reward.timeout_s + "
+                             f"reward.celery_hard_grace_s ({self.celery_hard_time_limit_s}s)")
+        if self.lambda_read_timeout_s is not None and self.lambda_read_timeout_s <= self.timeout_s:
+            raise ValueError("reward.lambda_read_timeout_s must exceed reward.timeout_s (the function timeout)")
+        return self
+
+    @property
+    def celery_hard_time_limit_s(self) -> float:
+        return self.timeout_s + self.celery_hard_grace_s
+
+    @property
+    def lambda_read_s(self) -> float:
+        return self.lambda_read_timeout_s if self.lambda_read_timeout_s is not None else self.timeout_s + 10.0
+
+    def backend_of(self, task: str) -> str:
+        """The backend that scores `task`."""
+        return self.task_backends.get(task, self.backend)
 
 
 class TrainerConfig(Strict):
@@ -103,6 +178,11 @@ class TrainerConfig(Strict):
     checkpoint_every: int = Field(20, ge=1, description="write a resumable checkpoint every K steps")
     seed: int = Field(0, description="trainer RNG seed")
     threads: int = Field(1, ge=1, description="torch threads for the trainer")
+    engine: Literal["real", "timing"] = Field("real", description="real: forward/backward and an optimizer step; "
+                                              "timing: a sleep instead (weights unchanged), keeping the ledger, acks, "
+                                              "metrics and weight publication (benchmarks)")
+    timing_step_s: float = Field(1.0, gt=0, description="trainer.engine timing: modelled time of a step plus its "
+                                 "weight publication; the sleep is what the last real publication leaves of it")
 
     @model_validator(mode="after")
     def _band(self) -> TrainerConfig:
@@ -112,29 +192,90 @@ class TrainerConfig(Strict):
         return self
 
 
-class PrecisionConfig(Strict):
-    """One precision flow shared by rollout and the trainer's forward pass (see ARCHITECTURE.md)."""
+BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# linears that read the same input share one inference GEMM, so they share one format
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-    mode: Literal["fp32", "bf16", "fp8_unified"] = Field("fp32", description="numeric mode of block linears")
-    backend: Literal["fast"] = Field("fast", description="CPU GEMM backend")
-    fmt: Literal["e4m3"] = Field("e4m3", description="FP8 format")
-    weight_block: int = Field(128, description="weight quantization block (square)")
-    act_group: int = Field(128, description="activation quantization group along K")
-    scale_rounding: Literal["none", "pow2"] = Field("none", description="round scales up to a power of two")
+
+class PrecisionConfig(Strict):
+    """One precision flow shared by rollout and the trainer's forward pass (see ARCHITECTURE.md).
+
+    Embeddings, lm_head, norms, the attention softmax and the logits always stay fp32; the block linears
+    (q, k, v, o, gate, up, down) run in the mode's format unless listed in `high_precision`.
+    """
+
+    mode: Literal["fp32", "bf16", "fp8_unified", "fp8_rollout_only"] = Field(
+        "fp32", description="fp32 (reference); bf16; fp8_unified (rollout and the trainer's forward share one FP8 "
+        "flow); fp8_rollout_only (the failing baseline: FP8 rollout, bf16 trainer)")
+    backend: Literal["fast", "exact"] = Field(
+        "fast", description="CPU backend of no-grad passes: fast (fake-quant + fp32 GEMM, compiled decode) or exact "
+        "(bitwise batch-invariant reference: decode and the trainer's log-probs agree to the bit; several x slower)")
+    backward: Literal["fp8", "bf16"] = Field(
+        "fp8", description="FP8 linears' backward GEMMs: fp8 (DGrad = Q1x128(dY) W, WGrad = Q1x128(dY^T) Q128x1(X)) "
+        "or bf16 (dY and the operands rounded to bf16)")
+    fmt: Literal["e4m3"] = Field("e4m3", description="FP8 format (max 448, round to nearest even)")
+    weight_block: int = Field(128, ge=1, description="weight quantization block (square), as weight_block_size")
+    act_group: int = Field(128, ge=1, description="activation quantization group along K; divides weight_block")
+    scale_rounding: Literal["none", "pow2"] = Field(
+        "none", description="round scales up to a power of two (ue8m0 scales, as DeepSeek-V3.1)")
+    high_precision: list[BlockLinear] = Field(
+        default_factory=list, description=f"block linears kept in bf16 in the FP8 modes, from {list(BLOCK_LINEARS)}; "
+        "q/k/v and gate/up go together")
+    correction: Literal["decoupled", "none", "token_tis", "seq_mis", "icepop"] = Field(
+        "decoupled", description="the loss's correction for the rollout/trainer gap r = pi_prox / mu: decoupled "
+        "(w = min(r, trainer.behavior_cap), tokens outside trainer.behavior_band masked), none (w = 1), token_tis "
+        "(w = min(r, correction_cap)), seq_mis (w = the sequence's product of r; sequences above correction_cap "
+        "masked), icepop (w = r; tokens outside icepop_band masked)")
+    correction_cap: float = Field(2.0, gt=0, description="C of token_tis and seq_mis")
+    icepop_band: tuple[float, float] = Field((0.5, 2.0), description="icepop keeps tokens with r in [low, high]")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrecisionConfig:
+        if self.weight_block % self.act_group:
+            raise ValueError(f"precision.act_group ({self.act_group}) must divide precision.weight_block "
+                             f"({self.weight_block}): the GEMM sums per activation group")
+        for group in FUSED_LINEARS:
+            if len({name in self.high_precision for name in group}) > 1:
+                raise ValueError(f"precision.high_precision must list all of {list(group)} or none of them")
+        low, high = self.icepop_band
+        if not 0 <= low < high:
+            raise ValueError("precision.icepop_band must be (low, high) with 0 <= low < high")
+        return self
 
     @property
     def precision_id(self) -> str:
-        """Hash of the precision config, stamped on every trajectory."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:12]
+        """Hash of the numeric precision config (the loss's correction aside), stamped on every trajectory."""
+        numeric = self.model_dump_json(exclude={"correction", "correction_cap", "icepop_band"})
+        return hashlib.sha256(numeric.encode()).hexdigest()[:12]
+
+    def linear_format(self, name: str) -> Literal["fp32", "bf16", "fp8"]:
+        """The number format of block linear `name` on the rollout side, which is also the published format."""
+        if self.mode in ("fp32", "bf16"):
+            return self.mode
+        return "bf16" if name in self.high_precision else "fp8"
+
+    def trainer_side(self) -> PrecisionConfig:
+        """The precision of the trainer's own passes: bf16 under fp8_rollout_only, else this config."""
+        return self.model_copy(update={"mode": "bf16"}) if self.mode == "fp8_rollout_only" else self
 
 
 class StalenessConfig(Strict):
+    """The staleness bound (ARCHITECTURE.md, "Staleness and versions"): admission keeps groups within eta versions;
+    the trainer waits for the oldest in-flight group rather than let it pass eta_hard = 2 eta, and masks (and counts)
+    any token still beyond eta_hard."""
+
     mode: Literal["async", "sync"] = Field("async", description="sync is the barrier baseline (eta = 0)")
     max_staleness: int = Field(2, ge=0, description="eta: admit while admitted <= (v + eta + 1) * B")
 
     @property
     def eta(self) -> int:
         return 0 if self.mode == "sync" else self.max_staleness
+
+    @property
+    def eta_hard(self) -> int:
+        """Largest token lag the trainer trains on; later tokens are masked and counted."""
+        return 2 * self.eta
 
 
 class StoreConfig(Strict):

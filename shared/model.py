@@ -1,7 +1,8 @@
 """A compact Qwen2/Llama-compatible causal LM (RMSNorm, RoPE, GQA, SwiGLU) with HF-format I/O.
 
 The trainer's full-sequence forward and the rollout engine's KV-cache decode run the same modules;
-every block linear goes through `shared.precision`.
+every block linear goes through `shared.precision`. On the exact backend, no-grad passes run every op on the
+log-prob path through `shared.exact`, so decode and the full forward agree to the bit.
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shared import exact
 from shared.config import PrecisionConfig
-from shared.precision import InferenceWeights, PrecisionLinear, is_inference, round_activation
+from shared.precision import (
+    InferenceWeights,
+    PrecisionLinear,
+    is_inference,
+    quantization_config,
+    use_exact,
+)
 from shared.tokenizer import Tokenizer, load_tokenizer
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -112,12 +120,15 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, precision: PrecisionConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.precision = precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_exact(self.precision):
+            return exact.rms_norm(x, self.weight, self.eps)
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
@@ -136,18 +147,19 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         kv_dim = args.num_kv_heads * args.head_dim
-        self.q_proj = PrecisionLinear(args.hidden_size, args.hidden_size, args.attention_bias, precision)
-        self.k_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision)
-        self.v_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision)
-        self.o_proj = PrecisionLinear(args.hidden_size, args.hidden_size, False, precision)
+        self.q_proj = PrecisionLinear(args.hidden_size, args.hidden_size, args.attention_bias, precision, "q_proj")
+        self.k_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision, "k_proj")
+        self.v_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision, "v_proj")
+        self.o_proj = PrecisionLinear(args.hidden_size, args.hidden_size, False, precision, "o_proj")
         self.qkv = InferenceWeights(self.q_proj, self.k_proj, self.v_proj)
+        self.precision = precision
         self.scale = args.head_dim**-0.5
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, S, H + KV, D] for q and k, [B, S, KV, D] for v)."""
         bsz, seq, _ = x.shape
         if is_inference(self.q_proj):
-            qkv = self.qkv.linear(round_activation(x, self.q_proj.precision))
+            qkv = self.qkv.linear(x)
             qkv = qkv.view(bsz, seq, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
             return qkv[:, :, : self.num_heads + self.num_kv_heads], qkv[:, :, self.num_heads + self.num_kv_heads :]
         q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim)
@@ -160,6 +172,8 @@ class Attention(nn.Module):
         qk, v = self._qkv(x)
         qk = apply_rope(qk, *rope)
         q, k = qk[:, :, : self.num_heads], qk[:, :, self.num_heads :]
+        if use_exact(self.precision):
+            return self.o_proj(self._exact(q, k, v, cache))
         if cache is not None and cache.slot is None:  # decode: one query per sequence
             k, v, blocked = cache.update(k, v)
             # GQA without repeat: the G query heads sharing a kv head become G query rows of that head
@@ -176,19 +190,38 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
+    def _exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerView | None) -> torch.Tensor:
+        """One attention for decode, prefill and the full forward: q [B, S, H, D] over positions 0..own; [B, S, H*D]."""
+        bsz, seq = q.shape[:2]
+        if cache is not None and cache.slot is None:
+            k, v, _ = cache.update(k, v)  # [n, KV, L, D]
+            assert cache.positions is not None
+            positions = cache.positions[:, None]
+        else:  # causal from position 0
+            if cache is not None:
+                cache.update(k, v)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            positions = torch.arange(seq).expand(bsz, seq)
+        group = self.num_heads // self.num_kv_heads
+        q = q.view(bsz, seq, self.num_kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)  # [B, KV, G, S, D]
+        out = exact.attention(q, k, v, positions, self.scale)
+        return out.permute(0, 3, 1, 2, 4).reshape(bsz, seq, -1)
+
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
         super().__init__()
-        self.gate_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision)
-        self.up_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision)
-        self.down_proj = PrecisionLinear(args.intermediate_size, args.hidden_size, False, precision)
+        self.gate_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision, "gate_proj")
+        self.up_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision, "up_proj")
+        self.down_proj = PrecisionLinear(args.intermediate_size, args.hidden_size, False, precision, "down_proj")
         self.gate_up = InferenceWeights(self.gate_proj, self.up_proj)
+        self.precision = precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_inference(self.gate_proj):
-            gate, up = self.gate_up.linear(round_activation(x, self.gate_proj.precision)).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gate, up = self.gate_up.linear(x).chunk(2, dim=-1)
+            silu = exact.silu if use_exact(self.precision) else F.silu
+            return self.down_proj(silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -197,8 +230,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, precision)
         self.mlp = MLP(args, precision)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, precision)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, precision)
 
     def forward(self, x: torch.Tensor, rope: Rope, cache: LayerView | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cache)
@@ -249,7 +282,7 @@ class CausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(args, self.precision) for _ in range(args.num_layers))
-        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.precision)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -305,6 +338,8 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer, view in zip(self.model.layers, views, strict=True):
             x = layer(x, rope, view)
+        if use_exact(self.precision):
+            return exact.fp32_linear(self.model.norm(x), self.lm_head.weight)
         return self.lm_head(self.model.norm(x)).float()
 
     def refresh_inference_weights(self) -> None:
@@ -315,27 +350,51 @@ class CausalLM(nn.Module):
                     value.refresh()
 
 
-def save_pretrained(model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path) -> None:
-    """Write an HF-format directory: config.json, model.safetensors and the tokenizer files."""
+def save_pretrained(
+    model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path, publish: PrecisionConfig | None = None
+) -> None:
+    """Write an HF-format directory: config.json, model.safetensors and the tokenizer files.
+
+    Without `publish`, every tensor is the fp32 master (checkpoints, base models). With the job's precision as
+    `publish`, block linears are written in their rollout format: FP8 ones as `weight` (F8_E4M3, [out, in],
+    unpadded) plus `weight_scale_inv` (fp32, [ceil(out/128), ceil(in/128)]) and a `quantization_config` in
+    config.json, as vLLM and DeepSeek-V3 read them; bf16 ones as bf16. Everything else stays fp32.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    config = model.args.to_hf()
+    if publish is not None:
+        ignored = []
+        for name, module in model.named_modules():
+            if isinstance(module, PrecisionLinear):
+                state.update({f"{name}.{k}": v for k, v in module.published(publish).items()})
+                if publish.linear_format(module.name) != "fp8":
+                    ignored.append(name)
+        if (quantization := quantization_config(publish, ignored)) is not None:
+            config["quantization_config"] = quantization
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(model.args.to_hf(), indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(directory)
 
 
 def load_pretrained(directory: str | Path, precision: PrecisionConfig | None = None) -> tuple[CausalLM, Tokenizer]:
-    """Load any HF-format Qwen2/Llama directory (safetensors shards) into a CausalLM on the CPU, fp32."""
+    """Load any HF-format Qwen2/Llama directory (safetensors shards, fp32/bf16 or block-FP8) into a CausalLM on the
+    CPU: fp32 masters, and FP8 linears keep their published e4m3 values and scales."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
-    args = ModelArgs.from_hf(json.loads(config_path.read_text()))
+    hf_config = json.loads(config_path.read_text())
+    args = ModelArgs.from_hf(hf_config)
     model = CausalLM(args, precision)
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+    if block is not None and list(block) != [model.precision.weight_block] * 2:
+        raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "
+                         f"{model.precision.weight_block}")
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights")
@@ -344,10 +403,23 @@ def load_pretrained(directory: str | Path, precision: PrecisionConfig | None = N
 
 
 def load_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
-    """Copy tensors into the model in place (keeps parameter identity, so optimizers stay valid)."""
+    """Copy tensors into the model in place (keeps parameter identity, so optimizers stay valid).
+
+    An FP8 `weight` with its `weight_scale_inv` loads through `PrecisionLinear.load_fp8`.
+    """
     if model.args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.args.tie_word_embeddings)]
+    fp8 = [k.removesuffix(".weight_scale_inv") for k in state if k.endswith(".weight_scale_inv")]
+    fp8_keys = {f"{prefix}.{name}" for prefix in fp8 for name in ("weight", "weight_scale_inv")}
+    plain = {k: v.float() for k, v in state.items() if k not in fp8_keys}
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    is_tied = model.args.tie_word_embeddings
+    missing = [k for k in missing if k not in fp8_keys and not (k == "lm_head.weight" and is_tied)]
+    modules = dict(model.named_modules())
+    unexpected += [f"{p}.weight_scale_inv" for p in fp8 if not isinstance(modules.get(p), PrecisionLinear)]
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for prefix in fp8:
+        linear = modules[prefix]
+        assert isinstance(linear, PrecisionLinear)
+        linear.load_fp8(state[f"{prefix}.weight"], state[f"{prefix}.weight_scale_inv"])

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# sorted set group_id -> oldest version its tokens can carry, over groups admitted but not yet trained or dropped.
+# The controller adds a group at v_adm in the transaction that publishes it; a rollout worker lowers the score to the
+# version it starts the group with (it may not have swapped to v_adm yet); the trainer removes the group in the
+# transaction that records it in the ledger, and waits for any group that would otherwise pass eta_hard.
+IN_FLIGHT = "in_flight"
+
 
 @dataclass(slots=True)
 class Admission:

@@ -9,7 +9,7 @@ import random
 import time
 from pathlib import Path
 
-from services.controller.admission import Admission
+from services.controller.admission import IN_FLIGHT, Admission
 from services.controller.progress import MetricsBook, ProgressView, plot_curves
 from services.evaluate import evaluate
 from shared.bus import RedisBus
@@ -53,9 +53,13 @@ class Controller:
         with ProgressView(self.book, self.config.trainer.max_steps, self.task_names) as view:
             while self.version < self.config.trainer.max_steps:
                 await self._admit()
-                weights_id, events = await self.bus.tail("weights", weights_id, block_ms=0)
+                # a step whose metrics are in is about to publish its weights: wait on those, not on more metrics
+                is_publishing = bool(self.book.rows) and self.book.rows[-1]["step"] > self.version
+                weights_id, events = await self.bus.tail("weights", weights_id, block_ms=1000 if is_publishing else 0)
                 published = [e.version for e in events if isinstance(e, WeightsPublishedEvent)]
-                metrics_id, events = await self.bus.tail("metrics", metrics_id, block_ms=100, count=1000)
+                # new weights: admit at once, without waiting for more metrics
+                metrics_id, events = await self.bus.tail("metrics", metrics_id, block_ms=0 if published else 100,
+                                                         count=1000)
                 for event in events:
                     if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
                         view.stream_lags = await self._stream_lags()
@@ -83,18 +87,18 @@ class Controller:
             return
         is_sync = self.config.staleness.mode == "sync"
         events = []
-        for _ in range(num):
+        # the counter lives in Redis so a restarted controller never reuses a group_id
+        last = await self.bus.redis.incrby(self.bus.key("num_admitted"), num)
+        for index in range(last - num + 1, last + 1):
             task = get_task(self.rng.choices(self.task_names, weights=self.task_weights)[0])
             problem = task.sample(self.rng)
-            # the counter lives in Redis so a restarted controller never reuses a group_id
-            index = await self.bus.redis.incr(self.bus.key("num_admitted"))
             events.append(GroupEvent(
                 job_id=self.config.job_id, group_id=f"g{index:07d}", task=task.name, pool=self.config.rollout.pool,
                 prompt=problem.prompt, prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
                 answer=problem.answer, group_size=self.config.trainer.group_size,
                 max_new_tokens=task.max_new_tokens, v_adm=self.version,
                 min_version=self.version if is_sync else 0))
-        await self.bus.publish_many(self.group_stream, events)
+        await self.bus.publish_indexed(self.group_stream, events, IN_FLIGHT, {e.group_id: e.v_adm for e in events})
         self.admission.num_admitted += num
 
     async def _evaluate(self, version: int) -> dict[str, float]:

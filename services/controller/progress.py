@@ -49,11 +49,25 @@ class MetricsBook:
         if any(r["step"] == event.step for r in self.rows):  # already written before a restart
             return None
         row = {"step": event.step, "time_s": event.time - self.started, **stats,
-               "rollout_tokens_per_s": self.rollout_tokens_per_s()}
+               "rollout_tokens_per_s": self.rollout_tokens_per_s(), **self._service_columns()}
         self._count(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         return row
+
+    def _service_columns(self) -> dict[str, float]:
+        """What other services report, per step: rollout slot-seconds busy and available (cumulative over workers)
+        with the idle fraction since the last row; the reward router's timed-out and failed attempts (cumulative)."""
+        def total(suffix: str) -> float:
+            return sum(v for k, v in self.latest.items() if k.endswith(suffix))
+
+        busy, slots = total("/busy_slot_s"), total("/slot_s")
+        last = self.rows[-1] if self.rows else {}
+        new_slots = slots - last.get("rollout_slot_s", 0.0)
+        new_busy = busy - last.get("rollout_busy_slot_s", 0.0)
+        idle = min(1.0, max(0.0, 1.0 - new_busy / new_slots)) if new_slots > 0 else float("nan")
+        return {"rollout_busy_slot_s": busy, "rollout_slot_s": slots, "rollout_idle_frac": idle,
+                "reward_timeouts": total("/reward/timeouts"), "reward_errors": total("/reward/errors")}
 
     def rollout_tokens_per_s(self) -> float:
         return sum(v for k, v in self.latest.items() if k.endswith("/tokens_per_s"))
@@ -98,7 +112,8 @@ class ProgressView:
                 parts.append(f"{task}: reward {row.get(f'reward/{task}', float('nan')):.3f} "
                              f"acc {row.get(f'accuracy/{task}', float('nan')):.3f}")
             parts.append(f"tok/s {row['rollout_tokens_per_s']:.0f} lag {row.get('lag_mean', 0):.2f} "
-                         f"mismatch {row.get('precision_mismatch', float('nan')):.2e}")
+                         f"mismatch {row.get('precision_mismatch', float('nan')):.2e} "
+                         f"k3 {row.get('mismatch/k3', float('nan')):.1e}")
             print(" | ".join(parts), flush=True)
 
     def _table(self) -> Table:
@@ -114,7 +129,12 @@ class ProgressView:
                 table.add_row(f"{task} held-out accuracy (v{int(ev['version'])})", f"{ev.get(task, float('nan')):.3f}")
         table.add_row("rollout tokens/s", f"{self.book.rollout_tokens_per_s():.0f}")
         table.add_row("lag mean / max", f"{row.get('lag_mean', 0):.2f} / {row.get('lag_max', 0):.0f}")
-        table.add_row("precision mismatch |dlogp|", f"{row.get('precision_mismatch', float('nan')):.2e}")
+        nan = float("nan")
+        table.add_row("precision mismatch |dlogp| mean / max",
+                      f"{row.get('precision_mismatch', nan):.2e} / {row.get('mismatch/abs_max', nan):.2e}")
+        table.add_row("mismatch k3 / seq |sum dlogp|",
+                      f"{row.get('mismatch/k3', nan):.2e} / {row.get('mismatch/seq_delta_abs_mean', nan):.2e}")
+        table.add_row("mismatch TIS clip frac", f"{row.get('mismatch/tis_clip_frac', nan):.3f}")
         table.add_row("dropped groups", str(self.book.num_dropped))
         for stream, lag in self.stream_lags.items():
             table.add_row(f"lag {stream}", str(lag))

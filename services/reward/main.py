@@ -1,10 +1,12 @@
-"""Reward router service entry: wire the bus, the tokenizer and the local pool, then route until cancelled."""
+"""Reward router service entry: wire the bus, the tokenizer and the tasks' backends, then route until cancelled."""
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
+
 import numpy as np
 
-from services.reward.pool import RewardPool
+from services.reward.backend import backends_in_use, setup_backend
 from services.reward.router import RewardRouter
 from shared.bus import RedisBus
 from shared.config import JobConfig
@@ -24,17 +26,22 @@ async def run(config: JobConfig, redis_url: str, model_dir: str, consumer: str) 
         max_deliveries=config.redis.max_deliveries,
         claim_idle_ms=config.redis.claim_idle_ms,
     )
-    pool = RewardPool(config.reward.num_workers, config.reward.timeout_s)
-    try:
+    reward = config.reward
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(bus.close)
+        backends = {}
+        for name in backends_in_use(reward, [task.name for task in config.tasks]):
+            backend = setup_backend(name, reward, redis_url=redis_url, job_id=config.job_id)
+            backends[name] = await stack.enter_async_context(backend)
         router = RewardRouter(
             bus,
-            pool,
+            backends,
             detokenize,
             consumer=consumer,
-            max_retries=config.reward.max_retries,
-            backend=config.reward.backend,
+            default_backend=reward.backend,
+            task_backends=reward.task_backends,
+            max_retries=reward.max_retries,
+            max_throttle_retries=reward.max_throttle_retries,
+            throttle_backoff_s=reward.throttle_backoff_s,
         )
         await router.run()
-    finally:
-        pool.close()
-        await bus.close()

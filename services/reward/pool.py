@@ -46,7 +46,8 @@ def _worker_main(conn: Connection, modules: Sequence[str]) -> None:
                 raise TypeError(f"reward {request['reward']!r} returned {kind}, not RewardOutput")
             if not math.isfinite(out.reward):
                 raise ValueError(f"reward {request['reward']!r} returned a non-finite reward {out.reward}")
-            reply: dict[str, Any] = {"ok": True, "reward": float(out.reward), "correct": bool(out.correct)}
+            reply: dict[str, Any] = {"ok": True, "reward": float(out.reward), "correct": bool(out.correct),
+                                     "details": str(out.details)}
         except Exception as exc:  # a failing reward is a status, and the worker lives on
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         conn.send(reply)
@@ -155,7 +156,8 @@ class RewardPool:
                 return "error", None, f"reward worker died (exit code {worker.process.exitcode}); replaced"
             healthy = True
             if reply["ok"]:
-                return "ok", RewardOutput(reward=reply["reward"], correct=reply["correct"]), ""
+                out = RewardOutput(reward=reply["reward"], correct=reply["correct"], details=reply["details"])
+                return "ok", out, ""
             return "error", None, reply["error"]
         finally:
             # Anything but a clean reply (timeout, death, cancellation) leaves the worker in an unknown state.

@@ -1,16 +1,17 @@
-"""The reward router: traj:raw -> score with the task's reward (retry once) -> traj:scored, then ack."""
+"""The reward router: traj:raw -> score on the task's backend (the router owns retries) -> traj:scored, then ack."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from services.reward.pool import RewardPool
+from services.reward.backend import RewardBackend, RewardCall
 from shared.bus import Delivery, RedisBus
 from shared.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent, encode
 from shared.tasks import get_task
@@ -22,38 +23,49 @@ SCORED_STREAM = "traj:scored"
 METRICS_STREAM = "metrics"
 GROUP = "reward"
 SEEN_KEY = "seen:reward"  # hash traj_id -> entry_id of the first entry that carried it
+FINAL_STATUSES: tuple[RewardStatus, ...] = ("ok", "timeout", "error", "throttled", "env_fail")
 
 
 class RewardRouter:
-    """Consumes trajectories, scores them in a RewardPool and publishes one ScoredEvent per traj_id.
+    """Consumes trajectories, scores each on its task's backend and publishes one ScoredEvent per traj_id.
 
     Delivery is at least once: an entry is acked only after its ScoredEvent is written, so a crash
-    between the two re-scores it (the trainer keeps the first event per traj_id). Keep the bus's
-    `claim_idle_ms` above `(1 + max_retries) * timeout_s`, or slow entries are reclaimed while in flight.
+    between the two re-scores it (backends are idempotent per traj_id; the trainer keeps the first event).
+    Entries in flight are kept claimed, so a slow call is never reclaimed from under the router.
+
+    Retries (ARCHITECTURE.md, "Who retries"): a throttled call up to `max_throttle_retries` times with
+    exponential backoff; a timeout or error `max_retries` times where the backend allows it (never on Lambda).
     """
 
     def __init__(
         self,
         bus: RedisBus,
-        pool: RewardPool,
+        backends: Mapping[str, RewardBackend],
         detokenize: Callable[[np.ndarray], str],
         *,
         consumer: str,
+        default_backend: str = "local",
+        task_backends: Mapping[str, str] | None = None,
         max_retries: int = 1,
-        backend: str = "local",
+        max_throttle_retries: int = 5,
+        throttle_backoff_s: float = 0.2,
         block_ms: int = 1000,
         metrics_every_s: float = 5.0,
     ) -> None:
         self.bus = bus
-        self.pool = pool
+        self.backends = dict(backends)
         self.detokenize = detokenize
         self.consumer = consumer
+        self.default_backend = default_backend
+        self.task_backends = dict(task_backends or {})
         self.max_retries = max_retries
-        self.backend = backend
+        self.max_throttle_retries = max_throttle_retries
+        self.throttle_backoff_s = throttle_backoff_s
         self.block_ms = block_ms
         self.metrics_every_s = metrics_every_s
-        self.max_in_flight = pool.num_workers
-        self.counts = {"scored": 0, "ok": 0, "timeout_attempts": 0, "error_attempts": 0, "duplicates": 0}
+        self.max_in_flight = sum(backend.concurrency for backend in self.backends.values())
+        self.counts = {"scored": 0, "ok": 0, "timeout_attempts": 0, "error_attempts": 0, "throttled_attempts": 0,
+                       "duplicates": 0, **{f"final_{status}": 0 for status in FINAL_STATUSES}}
         self._in_flight_ids: set[str] = set()
         self._metrics_at = time.monotonic()
         self._metrics_scored = 0
@@ -62,6 +74,8 @@ class RewardRouter:
         """Score trajectories until cancelled; an exception (e.g. Redis gone) propagates, leaving entries unacked."""
         await self.bus.ensure_group(RAW_STREAM, GROUP)
         in_flight: set[asyncio.Task[None]] = set()
+        keep_claimed_s = self.bus.claim_idle_ms / 3000
+        kept_at = time.monotonic()
         try:
             while True:
                 free = self.max_in_flight - len(in_flight)
@@ -75,11 +89,14 @@ class RewardRouter:
                         self._in_flight_ids.add(delivery.entry_id)
                         in_flight.add(asyncio.create_task(self.handle(delivery)))
                 if len(in_flight) >= self.max_in_flight:
-                    await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(in_flight, timeout=keep_claimed_s, return_when=asyncio.FIRST_COMPLETED)
                 done = {task for task in in_flight if task.done()}
                 in_flight -= done
                 for task in done:
                     task.result()
+                if self._in_flight_ids and time.monotonic() - kept_at >= keep_claimed_s:
+                    await self.bus.keep_claimed(RAW_STREAM, GROUP, self.consumer, sorted(self._in_flight_ids))
+                    kept_at = time.monotonic()
                 await self._maybe_emit_metrics()
         finally:
             for task in in_flight:
@@ -111,42 +128,57 @@ class RewardRouter:
         return owner is not None and owner.decode() == entry_id
 
     async def score(self, traj: TrajectoryEvent) -> ScoredEvent:
-        """Score one trajectory: retry a timeout or error `max_retries` times; what is still not ok is final."""
+        """Score one trajectory with the router's retry rules; what is still not ok after them is final."""
         t0 = time.monotonic()
-        attempts = 0
-        status: RewardStatus = "error"
-        reward: float | None = None
-        details: dict[str, Any]
-        try:
-            reward_name = get_task(traj.task).reward
-            completion = self.detokenize(traj.completion_ids.numpy())
-        except Exception as exc:  # bad input is a final error status, never a lost trajectory
-            details = {"error": f"{type(exc).__name__}: {exc}"}
+        backend_name = self.task_backends.get(traj.task, self.default_backend)
+        if traj.env_status != "ok":
+            status, reward, attempts = "env_fail", None, 0
+            details: dict[str, Any] = {"error": f"environment status {traj.env_status!r}"}
         else:
-            while True:
-                attempts += 1
-                status, out, detail = await self.pool.score(reward_name, completion, traj.answer)
-                if status == "ok":
-                    assert out is not None
-                    reward, details = out.reward, {"correct": out.correct}
-                    break
-                self.counts[f"{status}_attempts"] += 1
-                details = {"error": detail}
-                if attempts > self.max_retries:
-                    log.warning("reward %s for %s final after %d attempts: %s", status, traj.traj_id, attempts, detail)
-                    break
+            status, reward, attempts, details = await self._attempts(traj, backend_name)
         self.counts["scored"] += 1
         self.counts["ok"] += status == "ok"
+        self.counts[f"final_{status}"] += 1
         return ScoredEvent(
             job_id=traj.job_id,
             trajectory=traj,
             reward=reward,
             status=status,
             attempts=attempts,
-            backend=self.backend,
+            backend=backend_name,
             latency_s=time.monotonic() - t0,
             details=details,
         )
+
+    async def _attempts(
+        self, traj: TrajectoryEvent, backend_name: str
+    ) -> tuple[RewardStatus, float | None, int, dict[str, Any]]:
+        """(final status, reward, attempts, details) after the retries the backend allows."""
+        try:
+            reward_name = get_task(traj.task).reward
+            completion = self.detokenize(traj.completion_ids.numpy())
+            backend = self.backends.get(backend_name)
+            if backend is None:
+                raise ValueError(f"task {traj.task!r} needs reward backend {backend_name!r}, which is not set up")
+        except Exception as exc:  # bad input is a final error status, never a lost trajectory
+            return "error", None, 0, {"error": f"{type(exc).__name__}: {exc}"}
+        attempts = num_throttles = num_failures = 0
+        while True:
+            attempts += 1
+            outcome = await backend.score(RewardCall(traj.traj_id, attempts, reward_name, completion, traj.answer))
+            if outcome.status == "ok":
+                note = {"note": outcome.detail} if outcome.detail else {}
+                return "ok", outcome.reward, attempts, {"correct": outcome.correct, **note}
+            self.counts[f"{outcome.status}_attempts"] += 1
+            if outcome.status == "throttled" and num_throttles < self.max_throttle_retries:
+                await asyncio.sleep(self.throttle_backoff_s * 2**num_throttles * random.uniform(0.5, 1.0))
+                num_throttles += 1
+            elif outcome.status != "throttled" and backend.can_retry_failures and num_failures < self.max_retries:
+                num_failures += 1
+            else:
+                log.warning("reward %s for %s final after %d attempts on %s: %s", outcome.status, traj.traj_id,
+                            attempts, backend_name, outcome.detail)
+                return outcome.status, None, attempts, {"error": outcome.detail}
 
     async def _maybe_emit_metrics(self) -> None:
         now = time.monotonic()
@@ -159,7 +191,9 @@ class RewardRouter:
             "reward/scored": step,
             "reward/timeouts": self.counts["timeout_attempts"],
             "reward/errors": self.counts["error_attempts"],
+            "reward/throttles": self.counts["throttled_attempts"],
             "reward/duplicates": self.counts["duplicates"],
+            **{f"reward/final_{status}": self.counts[f"final_{status}"] for status in FINAL_STATUSES[1:]},
         }
         events = [
             MetricsEvent(job_id=self.bus.job_id, service="reward", name=name, value=float(value), step=step)
@@ -167,3 +201,4 @@ class RewardRouter:
         ]
         await self.bus.publish_many(METRICS_STREAM, events)
         self._metrics_at, self._metrics_scored = now, step
+

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared import exact
 from shared.model import CausalLM, KVCache, load_state
 from shared.precision import PACKED_MIN_ROWS
 
@@ -30,6 +31,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)  # mu_t = log_softmax(logits / T)[token], untruncated
     versions: list[int] = field(default_factory=list)  # weight version that produced each token
     finish_reason: str | None = None
+    env_status: str = "ok"  # the environment's outcome; anything else makes the reward router record env_fail
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -44,7 +46,10 @@ class Request:
 
 class Engine:
     """`compile=True` runs decode through torch.compile (C++ wrapper): a few graphs compiled up front,
-    their wall time in `compile_s`, for a step that costs a fraction of eager's Python overhead."""
+    their wall time in `compile_s`, for a step that costs a fraction of eager's Python overhead.
+
+    On the `exact` precision backend decode stays eager and every op takes the batch-invariant reference path, so
+    each recorded log-prob is bitwise the trainer's no-grad log-prob at the same version."""
 
     def __init__(
         self, model: CausalLM, eos_id: int, max_batch: int, max_len: int, seed: int = 0, compile: bool = False
@@ -61,7 +66,8 @@ class Engine:
         self.model.refresh_inference_weights()
         self.decode_fn = model.decode
         self.compile_s = 0.0
-        if compile:
+        self.is_exact = model.precision.backend == "exact"
+        if compile and not self.is_exact:
             # graphs are per model and cache shape; a process with a few engines (the bench) needs more than 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.decode_fn = torch.compile(model.decode, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
@@ -145,7 +151,7 @@ class Engine:
     def _sample(self, batch: list[Request], logits: torch.Tensor, first_slot: int) -> list[Request]:
         if any(r.temperature not in (0.0, 1.0) for r in batch):
             logits = logits / torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in batch])[:, None]
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = exact.log_softmax(logits) if self.is_exact else torch.log_softmax(logits, dim=-1)
         tokens = self._choose(batch, logprobs)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         done = []

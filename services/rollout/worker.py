@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from services.controller.admission import IN_FLIGHT
 from services.rollout.engine import Engine, Request
+from services.rollout.timing_engine import TimingEngine
 from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
 from shared.model import load_pretrained
 from shared.store import WeightStore, WeightStoreError
+from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("jetroll.rollout")
 
@@ -39,24 +44,36 @@ class RolloutWorker:
         self.stream = f"groups:{config.rollout.pool}"
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
-        self.engine: Engine | None = None
+        self.engine: Engine | TimingEngine | None = None
         self.num_tokens = 0
         self.busy_s = 0.0
+        # slot occupancy integrated over wall time, for the rollout idle fraction
+        self.busy_slot_s = 0.0
+        self.num_occupied = 0
+        self.serving_since = self.ticked_at = time.monotonic()
 
     async def run(self) -> None:
         await self.bus.ensure_group(self.stream, "rollout")
         version = await self._wait_for_weights()
-        model, self.tokenizer = load_pretrained(await self.store.fetch(version), self.config.precision)
-        self.engine = Engine(model, self.tokenizer.eos_id, self.config.rollout.max_batch,
-                             self.config.rollout.max_seq_len, seed=hash(self.consumer) % (1 << 31),
-                             compile=self.config.rollout.compile)
+        self.engine = self._setup_engine(await self.store.fetch(version))
         self.engine.version = version
+        self.serving_since = self.ticked_at = time.monotonic()
         log.info("%s serving version %d (decode compile %.1f s)", self.consumer, version, self.engine.compile_s)
         watcher = asyncio.create_task(self._watch_weights())
         try:
             await self._loop()
         finally:
             watcher.cancel()
+
+    def _setup_engine(self, directory: Path) -> Engine | TimingEngine:
+        rollout = self.config.rollout
+        if rollout.engine == "timing":
+            tokenizer = load_tokenizer(directory)
+            return TimingEngine(rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, rollout.max_batch,
+                                rollout.max_seq_len)
+        model, tokenizer = load_pretrained(directory, self.config.precision)
+        return Engine(model, tokenizer.eos_id, rollout.max_batch, rollout.max_seq_len,
+                      seed=hash(self.consumer) % (1 << 31), compile=rollout.compile)
 
     async def _wait_for_weights(self) -> int:
         while (version := await self.store.latest()) is None:
@@ -102,21 +119,34 @@ class RolloutWorker:
                                             [g.entry_id for g in self.groups.values()])
                 claims_kept_at = time.monotonic()
             await self._swap_pending()
-            group_size = self.config.trainer.group_size
-            if engine.num_free_slots >= group_size:
-                deliveries = await self.bus.consume(self.stream, "rollout", self.consumer,
-                                                    count=engine.num_free_slots // group_size,
+            if engine.num_free_slots > 0:  # a free slot pulls a whole group; its other samples wait in the engine
+                num_groups = math.ceil(engine.num_free_slots / self.config.trainer.group_size)
+                deliveries = await self.bus.consume(self.stream, "rollout", self.consumer, count=num_groups,
                                                     block_ms=0 if engine.has_work else 200)
                 for delivery in deliveries:
                     assert isinstance(delivery.event, GroupEvent)
                     await self._start(delivery.event, delivery.entry_id)
+                if deliveries:
+                    # a group's oldest token is at least this version: the trainer's eta_hard wait goes by it
+                    await self.bus.redis.zadd(self.bus.key(IN_FLIGHT), {d.event.group_id: engine.version
+                                                                        for d in deliveries}, xx=True, lt=True)
             if not engine.has_work:
                 continue
+            self._tick()
             started = time.perf_counter()
             finished = await asyncio.to_thread(engine.step)
             self.busy_s += time.perf_counter() - started
+            self._tick()
             if finished:
                 await self._emit(finished)
+
+    def _tick(self) -> None:
+        """Integrate slot occupancy: the slots held since the last tick, then those held from now on."""
+        assert self.engine is not None
+        now = time.monotonic()
+        self.busy_slot_s += (now - self.ticked_at) * self.num_occupied
+        self.ticked_at = now
+        self.num_occupied = min(len(self.engine.running) + len(self.engine.waiting), self.engine.max_batch)
 
     async def _swap_pending(self) -> None:
         """Swap in weights loaded in the background; called only at a token boundary."""
@@ -126,7 +156,7 @@ class RolloutWorker:
         version, state = self.pending_weights
         self.pending_weights = None
         self.engine.swap_weights(state, version, recompute_kv=self.config.rollout.recompute_kv_on_swap)
-        await self._metric("weight_version", version)
+        await self._metrics({"weight_version": version})
 
     async def _start(self, group: GroupEvent, entry_id: str) -> None:
         assert self.engine is not None
@@ -160,8 +190,10 @@ class RolloutWorker:
         await self.bus.publish_many("traj:raw", events)
         if done_groups:  # ack a Group only after all its samples are emitted
             await self.bus.ack(self.stream, "rollout", *(g.entry_id for g in done_groups))
-            await self._metric("tokens_per_s", self.num_tokens / max(self.busy_s, 1e-9))
-            await self._metric("num_tokens", self.num_tokens)
+            self._tick()
+            await self._metrics({"tokens_per_s": self.num_tokens / max(self.busy_s, 1e-9),
+                                 "num_tokens": self.num_tokens, "busy_slot_s": self.busy_slot_s,
+                                 "slot_s": (time.monotonic() - self.serving_since) * self.engine.max_batch})
 
     def _trajectory(self, group: GroupEvent, sample: int, request: Request) -> TrajectoryEvent:
         return TrajectoryEvent(
@@ -176,12 +208,14 @@ class RolloutWorker:
             temperature=request.temperature, top_p=request.top_p,
             precision_id=self.config.precision.precision_id,
             finish_reason="stop" if request.finish_reason == "stop" else "length",
+            env_status=request.env_status,
             worker=self.consumer,
             timings={"finished_at": time.time()},
         )
 
-    async def _metric(self, name: str, value: float) -> None:
+    async def _metrics(self, values: dict[str, float]) -> None:
         assert self.engine is not None
-        await self.bus.publish("metrics", MetricsEvent(job_id=self.config.job_id, service=self.consumer,
-                                                       name=name, value=float(value), step=self.engine.version))
+        await self.bus.publish_many("metrics", [
+            MetricsEvent(job_id=self.config.job_id, service=self.consumer, name=name, value=float(value),
+                         step=self.engine.version) for name, value in values.items()])
 

@@ -54,16 +54,25 @@ class GroupBuffer:
         group.samples[traj.traj_id] = (entry_id, event)
         return True
 
+    @property
+    def num_complete(self) -> int:
+        return sum(g.is_complete for g in self.groups.values())
+
+    def has_complete(self, group_ids: frozenset[str]) -> bool:
+        return all(g in self.groups and self.groups[g].is_complete for g in group_ids)
+
     def take_failed(self) -> list[PendingGroup]:
         failed = [g for g in self.groups.values() if g.is_complete and g.failed_status is not None]
         for group in failed:
             del self.groups[group.group_id]
         return failed
 
-    def take_oldest(self, count: int) -> list[PendingGroup] | None:
-        """`count` complete groups, oldest v_adm first, or None while fewer are complete."""
-        complete = sorted((g for g in self.groups.values() if g.is_complete), key=lambda g: (g.v_adm, g.arrival))
-        if len(complete) < count:
+    def take_oldest(self, count: int, required: frozenset[str] = frozenset()) -> list[PendingGroup] | None:
+        """`count` complete groups, oldest v_adm first, or None while fewer are complete or while a `required` group
+        (one that must be trained now to stay within eta_hard) is not complete."""
+        complete = sorted((g for g in self.groups.values() if g.is_complete),
+                          key=lambda g: (g.group_id not in required, g.v_adm, g.arrival))
+        if len(complete) < count or not self.has_complete(required):
             return None
         for group in complete[:count]:
             del self.groups[group.group_id]

@@ -14,7 +14,8 @@ from typing import Literal
 
 import torch
 
-from shared.config import TrainerConfig
+from shared import exact
+from shared.config import PrecisionConfig, TrainerConfig
 
 
 def group_advantages(rewards: torch.Tensor, kind: Literal["grpo", "dr_grpo"] = "grpo") -> torch.Tensor:
@@ -37,6 +38,31 @@ def k3(delta: torch.Tensor) -> torch.Tensor:
     return torch.expm1(delta) - delta
 
 
+def behavior_correction(
+    prox_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor, cfg: TrainerConfig,
+    correction: PrecisionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stop-gradient weight w and the 0/1 keep mask per token [B, T] for r = pi_prox / mu
+    (`precision.correction`; decoupled when None)."""
+    kind = correction.correction if correction is not None else "decoupled"
+    log_ratio = prox_logp - behavior_logp
+    ratio = torch.exp(log_ratio)
+    if kind == "decoupled":
+        low, high = cfg.behavior_band
+        return ratio.clamp(max=cfg.behavior_cap), ((ratio >= low) & (ratio <= high)).float()
+    assert correction is not None
+    if kind == "none":
+        return torch.ones_like(ratio), torch.ones_like(ratio)
+    if kind == "token_tis":
+        return ratio.clamp(max=correction.correction_cap), torch.ones_like(ratio)
+    if kind == "icepop":
+        low, high = correction.icepop_band
+        return ratio, ((ratio >= low) & (ratio <= high)).float()
+    assert kind == "seq_mis"
+    seq_ratio = torch.exp(torch.where(mask > 0, log_ratio, 0.0).sum(-1, keepdim=True)).expand_as(ratio)
+    return seq_ratio, (seq_ratio <= correction.correction_cap).float()
+
+
 def ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -47,12 +73,14 @@ def ppo_loss(
     *,
     dr_grpo_denominator: float | None = None,
     ref_logp: torch.Tensor | None = None,
+    correction: PrecisionConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss over token tensors [B, T]; returns (scalar loss, float stats).
 
     `advantages` is [B] (one per sequence, broadcast over tokens) or [B, T]. The summed token loss
     is divided by the number of loss_mask == 1 tokens counted before band masking, or by the
-    constant `dr_grpo_denominator` (batch x max_new_tokens) when given.
+    constant `dr_grpo_denominator` (batch x max_new_tokens) when given. `correction` picks the
+    behaviour correction (`behavior_correction`).
     """
     mask = loss_mask.float()
     adv = advantages.float()
@@ -72,11 +100,9 @@ def ppo_loss(
     dual = torch.maximum(surrogate, cfg.dual_clip_c * adv)
     objective = torch.where(adv < 0, dual, surrogate)
 
-    # Behaviour correction: w = sg(min(pi_prox / mu, C)); mask tokens whose pi_prox / mu leaves the band.
+    # Behaviour correction: by default w = sg(min(pi_prox / mu, C)), tokens whose pi_prox / mu leaves the band masked.
     behavior_ratio = torch.exp(prox_logp - behavior_logp)
-    weight = behavior_ratio.clamp(max=cfg.behavior_cap)
-    low, high = cfg.behavior_band
-    in_band = ((behavior_ratio >= low) & (behavior_ratio <= high)).float()
+    weight, in_band = behavior_correction(prox_logp, behavior_logp, mask, cfg, correction)
     keep = mask * in_band
 
     token_loss = -weight * objective
@@ -115,14 +141,16 @@ def ppo_loss(
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor, is_exact: bool = False
 ) -> torch.Tensor:
     """log_softmax(logits / T) at `targets`, in fp32: [B, T, V], [B, T] -> [B, T].
 
     `temperature` is a float or a per-sequence tensor [B] (the temperature recorded on each trajectory).
+    `is_exact` takes the exact backend's batch-invariant log_softmax, the one the rollout engine records with.
     """
     logits = logits.float()
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1, 1, 1)
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    scaled = logits / temperature
+    logprobs = exact.log_softmax(scaled) if is_exact else torch.log_softmax(scaled, dim=-1)
     return logprobs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

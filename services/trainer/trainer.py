@@ -12,17 +12,30 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.controller.admission import IN_FLIGHT
 from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate
 from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
+from services.trainer.mismatch import mismatch_stats
+from services.trainer.staleness import staleness_stats
 from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent
 from shared.model import CausalLM, load_pretrained, load_state, save_pretrained
+from shared.precision import published_dtype
 from shared.store import Manifest, WeightStore
 
 log = logging.getLogger("jetroll.trainer")
 
 STREAM, GROUP = "traj:scored", "trainer"
+
+
+def proximal_logprobs(
+    model: CausalLM, input_ids: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
+    """The trainer's no-grad log-prob pass [B, T]; on the exact backend bitwise what rollout recorded at this version,
+    whatever the batch composition and padding."""
+    with torch.no_grad():
+        return token_logprobs(model(input_ids), targets, temperature, is_exact=model.precision.backend == "exact")
 
 
 class Ledger:
@@ -32,13 +45,16 @@ class Ledger:
         self.bus = bus
         self.key = bus.key("ledger")
 
-    async def has(self, group_id: str) -> bool:
-        return bool(await self.bus.redis.hexists(self.key, group_id))
+    async def recorded(self, group_ids: set[str]) -> set[str]:
+        """Which of `group_ids` are in the ledger (one round trip)."""
+        ids = sorted(group_ids)
+        return {g for g, outcome in zip(ids, await self.bus.redis.hmget(self.key, ids), strict=True) if outcome}
 
     async def record(self, outcomes: dict[str, dict]) -> None:
         async with self.bus.redis.pipeline(transaction=True) as pipe:
             for group_id, outcome in outcomes.items():
                 pipe.hsetnx(self.key, group_id, json.dumps(outcome))
+            pipe.zrem(self.bus.key(IN_FLIGHT), *outcomes)
             await pipe.execute()
 
     async def dump(self) -> dict[str, dict]:
@@ -55,55 +71,121 @@ class Trainer:
         self.ledger = Ledger(bus)
         self.buffer = GroupBuffer()
         self.version = 0
+        self.stale_wait_s = 0.0  # waiting on an in-flight group that must join the step, with B groups at hand
+        self.training: dict[str, PendingGroup] = {}  # the groups of the step in progress, acked once recorded
+        self.claims_kept_at = 0.0
+        self.publish_s = 0.0
+        self.ingested = asyncio.Event()  # set after each read of the scored stream
+        self.ingest_task: asyncio.Task[None] | None = None
         assert config.model.path, "the launcher resolves model.path before services start"
-        self.model, self.tokenizer = load_pretrained(config.model.path, config.precision)
+        self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.trainer_side())
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.trainer.lr,
                                            weight_decay=config.trainer.weight_decay)
         self.reference: CausalLM | None = None
         if config.trainer.kl_coef > 0:
-            self.reference, _ = load_pretrained(config.model.path, config.precision)
+            self.reference, _ = load_pretrained(config.model.path, config.precision.trainer_side())
             self.reference.requires_grad_(False)
 
     async def run(self) -> None:
         torch.manual_seed(self.config.trainer.seed)
         await self.bus.ensure_group(STREAM, GROUP)
         await self._resume_or_publish_base()
+        # scored trajectories are buffered all along, steps included: the next step's groups are at hand when it starts
+        self.ingest_task = asyncio.create_task(self._ingest_forever())
+        try:
+            await self._train()
+        finally:
+            self.ingest_task.cancel()
+        log.info("trainer done at version %d", self.version)
+
+    async def _train(self) -> None:
+        cycle_started = time.perf_counter()
         while self.version < self.config.trainer.max_steps:
+            waited = time.perf_counter()
+            self.stale_wait_s = 0.0
             groups = await self._next_groups()
             started = time.perf_counter()
-            stats = await asyncio.to_thread(self._train_step, groups)
+            self.training = {g.group_id: g for g in groups}
+            stats = await asyncio.to_thread(self._step, groups)
             self.version += 1
             # ledger first: a group is trained exactly once even if we die before the publish below
             await self.ledger.record({g.group_id: {"step": self.version, "status": "trained",
                                                    "traj_ids": sorted(g.samples)} for g in groups})
             await self.bus.ack(STREAM, GROUP, *(i for g in groups for i in g.entry_ids))
-            stats["step_time_s"] = time.perf_counter() - started
+            self.training = {}
+            now = time.perf_counter()
+            # a cycle runs from one step's metrics to the next: waiting for groups, the step, ledger, publish
+            stats |= {"step_time_s": now - started, "trainer_wait_s": started - waited,
+                      "trainer_idle_frac": (started - waited) / (now - cycle_started),
+                      "stale_wait_s": self.stale_wait_s}
+            cycle_started = now
             # metrics before the weights event: the controller stops at the last version, its row already read
             await self._emit(stats)
+            published = time.perf_counter()
             await self._publish()
+            self.publish_s = time.perf_counter() - published
             if self.version % self.config.trainer.checkpoint_every == 0:
                 await self._checkpoint()
-        log.info("trainer done at version %d", self.version)
 
     async def _next_groups(self) -> list[PendingGroup]:
+        """B complete groups, oldest v_adm first; waits while an in-flight group that must join this step is not
+        complete, even with B other groups at hand."""
         needed = self.config.trainer.groups_per_step
-        while (groups := self.buffer.take_oldest(needed)) is None:
-            await self.bus.keep_claimed(STREAM, GROUP, self.consumer,
-                                        [i for g in self.buffer.groups.values() for i in g.entry_ids])
-            for delivery in await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500):
-                event = delivery.event
-                assert isinstance(event, ScoredEvent)
-                if self._held_entry(event) == delivery.entry_id:
-                    continue  # our own buffered entry handed back by XAUTOCLAIM: it stays pending until trained
-                is_done = await self.ledger.has(event.trajectory.group_id)
-                if is_done or not self.buffer.add(delivery.entry_id, event):
-                    await self.bus.ack(STREAM, GROUP, delivery.entry_id)  # a reclaimed copy: keep the first
-            await self._drop_failed()
+        while (groups := self.buffer.take_oldest(needed, await self._required_groups())) is None:
+            waited = time.perf_counter()
+            is_stale_wait = self.buffer.num_complete >= needed
+            await self._next_ingest()
+            if is_stale_wait:
+                self.stale_wait_s += time.perf_counter() - waited
         return groups
 
+    async def _next_ingest(self) -> None:
+        """Wait for the next read of the scored stream; a failure of the reader surfaces here."""
+        assert self.ingest_task is not None
+        self.ingested.clear()
+        waiter = asyncio.ensure_future(self.ingested.wait())
+        await asyncio.wait({waiter, self.ingest_task}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self.ingest_task.done():
+            self.ingest_task.result()
+
+    async def _ingest_forever(self) -> None:
+        while True:
+            await self._ingest()
+            self.ingested.set()
+
+    async def _ingest(self) -> None:
+        """One read of the scored stream into the buffer; a copy of a traj_id already held or recorded is acked."""
+        if time.monotonic() - self.claims_kept_at > self.config.redis.claim_idle_ms / 3000:
+            held = [*self.buffer.groups.values(), *self.training.values()]
+            await self.bus.keep_claimed(STREAM, GROUP, self.consumer, [i for g in held for i in g.entry_ids])
+            self.claims_kept_at = time.monotonic()
+        deliveries = await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500)
+        if not deliveries:
+            return
+        done = await self.ledger.recorded({d.event.trajectory.group_id for d in deliveries}) | set(self.training)
+        for delivery in deliveries:
+            event = delivery.event
+            assert isinstance(event, ScoredEvent)
+            if self._held_entry(event) == delivery.entry_id:
+                continue  # our own held entry handed back by XAUTOCLAIM: it stays pending until trained
+            if event.trajectory.group_id in done or not self.buffer.add(delivery.entry_id, event):
+                await self.bus.ack(STREAM, GROUP, delivery.entry_id)  # a reclaimed copy: keep the first
+        await self._drop_failed()
+
+    async def _required_groups(self) -> frozenset[str]:
+        """In-flight groups this step must include: trained any later, their oldest tokens would lag more than
+        eta_hard. At most B, the oldest; the rest cannot fit this step, and their late tokens get masked."""
+        newest = self.version - self.config.staleness.eta_hard
+        if newest < 0:
+            return frozenset()
+        ids = await self.bus.redis.zrangebyscore(self.bus.key(IN_FLIGHT), "-inf", newest, start=0,
+                                                 num=self.config.trainer.groups_per_step)
+        return frozenset(i.decode() for i in ids)
+
     def _held_entry(self, event: ScoredEvent) -> str | None:
-        group = self.buffer.groups.get(event.trajectory.group_id)
+        group = self.buffer.groups.get(event.trajectory.group_id) or self.training.get(event.trajectory.group_id)
         held = group.samples.get(event.trajectory.traj_id) if group else None
         return held[0] if held else None
 
@@ -117,20 +199,35 @@ class Trainer:
         for group in failed:
             await self._metric(f"dropped/{group.failed_status}", 1.0)
 
+    def _step(self, groups: list[PendingGroup]) -> dict[str, float]:
+        """One optimizer step (or, with trainer.engine timing, a sleep standing in for it) and its staleness stats."""
+        if self.config.trainer.engine == "timing":
+            # the modelled time covers the step and its weight publication, which stays real
+            time.sleep(max(0.0, self.config.trainer.timing_step_s - self.publish_s))
+            stats = {}
+        else:
+            stats = self._train_step(groups)
+        trajectories = [e.trajectory for g in groups for e in g.events]
+        return stats | staleness_stats(trajectories, self.version, self.config.staleness.eta_hard)
+
     def _train_step(self, groups: list[PendingGroup]) -> dict[str, float]:
         cfg = self.config.trainer
         batch = collate(groups, self.tokenizer.pad_id)
         advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
-        eta_hard = 2 * self.config.staleness.eta
         lag = (self.version - batch.v_tok) * batch.loss_mask.long()
-        is_too_stale = (lag > eta_hard) & (batch.loss_mask > 0)
+        # the last resort of the staleness bound: staleness_stats counts these tokens
+        is_too_stale = (lag > self.config.staleness.eta_hard) & (batch.loss_mask > 0)
         loss_mask = batch.loss_mask * (~is_too_stale)
 
         self.optimizer.zero_grad(set_to_none=True)
+        is_exact = self.config.precision.backend == "exact"
+        if is_exact:  # pi_prox from the exact backend; the gradient pass below stays on `fast`
+            prox_logp = proximal_logprobs(self.model, batch.input_ids, batch.targets, batch.temperature)
         logits = self.model(batch.input_ids)
         logp = token_logprobs(logits, batch.targets, batch.temperature)
-        # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
-        prox_logp = logp.detach()
+        if not is_exact:
+            # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
+            prox_logp = logp.detach()
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
@@ -143,29 +240,21 @@ class Trainer:
         loss.backward()
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         self.optimizer.step()
-        stats.update(self._staleness_stats(batch, prox_logp, lag, is_too_stale))
+        stats.update(self._staleness_stats(batch, prox_logp))
         stats.update(self._task_stats(batch))
         return stats
 
-    def _staleness_stats(self, batch: TokenBatch, prox_logp: torch.Tensor, lag: torch.Tensor,
-                         is_too_stale: torch.Tensor) -> dict[str, float]:
+    def _staleness_stats(self, batch: TokenBatch, prox_logp: torch.Tensor) -> dict[str, float]:
         mask = batch.loss_mask > 0
         same_version = mask & (batch.v_tok == self.version)
         delta = (prox_logp - batch.behavior_logp).abs()[same_version]
-        seq_lag = lag.max(dim=1).values.float()
-        versions_per_seq = [len(set(batch.v_tok[i][mask[i]].tolist())) for i in range(len(mask))]
-        return {
+        return mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.trainer.behavior_cap) | {
             "mismatch_abs_sum": float(delta.sum()),
             "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
             "mismatch_tokens": float(same_version.sum()),
             "num_policy_tokens": float(mask.sum()),
             "precision_mismatch": float(delta.mean()) if delta.numel() else float("nan"),
             "mismatch_coverage": float(same_version.sum() / mask.sum().clamp(min=1)),
-            "lag_mean": float(seq_lag.mean()),
-            "lag_p50": float(seq_lag.median()),
-            "lag_max": float(seq_lag.max()),
-            "mixed_version_frac": sum(n > 1 for n in versions_per_seq) / len(versions_per_seq),
-            "stale_masked_tokens": float(is_too_stale.sum()),
         }
 
     def _task_stats(self, batch: TokenBatch) -> dict[str, float]:
@@ -180,11 +269,13 @@ class Trainer:
     async def _publish(self) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""
         with tempfile.TemporaryDirectory(prefix="jetroll-publish-") as staging:
-            save_pretrained(self.model, self.tokenizer, staging)
+            # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
+            save_pretrained(self.model, self.tokenizer, staging, publish=self.config.precision)
             is_ckpt = self.version % self.config.trainer.checkpoint_every == 0
             manifest = await self.store.publish(
                 self.version, self.version, Path(staging), precision_id=self.config.precision.precision_id,
-                dtype="float32", parent=self.version - 1 if self.version else None, is_checkpoint=is_ckpt)
+                dtype=published_dtype(self.config.precision), parent=self.version - 1 if self.version else None,
+                is_checkpoint=is_ckpt)
         await self._announce(manifest)
         await self.store.retain(self.config.store.keep_last)
 

@@ -1,4 +1,5 @@
-"""CI smoke of `jetroll bench engine`: a few tokens, so the benchmark cannot rot. Speed is not asserted."""
+"""CI smoke of `jetroll bench engine`, `store`, `reward`, `mismatch` and `async`: tiny sizes, so the benchmarks cannot
+rot. Speed is not asserted."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 def test_bench_engine_json_smoke() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "services.cli", "bench", "engine", "--json", "--batch-sizes", "1,2",
-         "--new-tokens", "8", "--repeats", "1", "--threads", "1"],
+         "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-compile"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -24,3 +25,71 @@ def test_bench_engine_json_smoke() -> None:
     summary = result["summary"]
     assert {"speedup_b1", "speedup_b64", "fp8_over_fp32"} <= set(summary)
     assert summary["speedup_b1"] > 0
+
+
+@pytest.mark.integration
+def test_bench_store_json_smoke() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "store", "--json", "--synthetic-mb", "2", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {(row["case"], row["backend"]) for row in result["rows"]} == {
+        ("default", "local"), ("synthetic", "local"), ("default", "s3"), ("synthetic", "s3")}
+    for row in result["rows"]:
+        assert row["store_s"] > 0 and row["essential_s"] > 0 and row["ratio"] > 0
+        assert row["size_bytes"] >= (2_000_000 if row["case"] == "synthetic" else 1)
+    summary = result["summary"]
+    assert {"local_ratio", "s3_ratio", "is_within_max"} <= set(summary)
+    assert summary["local_ratio"] > 0 and summary["s3_ratio"] > 0
+
+
+@pytest.mark.integration
+def test_bench_reward_json_smoke() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "reward", "--json", "--calls", "8", "--concurrency", "1,2",
+         "--workers", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {(row["backend"], row["concurrency"]) for row in result["rows"]} == {
+        (backend, level) for backend in ("local", "celery", "lambda") for level in (1, 2)}
+    for row in result["rows"]:
+        assert row["rewards_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"] and row["not_ok"] == 0
+    assert set(result["summary"]["overhead_ms"]) == {"celery", "lambda"}
+
+
+@pytest.mark.integration
+def test_bench_mismatch_json_smoke() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "mismatch", "--json", "--lengths", "8,16", "--samples", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {(row["mode"], row["length"]) for row in result["rows"]} == {
+        (mode, length) for mode in ("bf16", "fp8_unified", "fp8_rollout_only") for length in (8, 16)}
+    for row in result["rows"]:
+        assert row["tokens"] == 2 * row["length"]
+        if row["mode"] != "fp8_rollout_only":  # one flow on both sides: exactly equal log-probs
+            assert row["abs_max"] == row["k3"] == row["seq_delta_abs_mean"] == row["tis_clip_frac"] == 0.0
+    summary = result["summary"]
+    assert summary["unified_max_abs_delta"] == 0.0 and summary["bf16_max_abs_delta"] == 0.0
+    assert len(summary["rollout_only_seq_delta_by_length"]) == 2
+    assert all(d > 0 for d in summary["rollout_only_seq_delta_by_length"])
+
+
+@pytest.mark.integration
+def test_bench_async_quick_json_smoke() -> None:
+    out = subprocess.run([sys.executable, "-m", "services.cli", "bench", "async", "--json", "--quick"],
+                         capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(row["mode"], row["eta"]) for row in result["rows"]] == [("sync", 0), ("async", 2)]
+    sync, fast = result["rows"]
+    assert sync["lag"]["max"] == 0 and sync["rollout_frac"] == 1.0 and 0 < sync["efficiency"]
+    assert 0 < fast["rollout_frac"] < 1 and fast["lag"]["max"] <= 4 and fast["stale_masked_tokens"] == 0
+    for row in result["rows"]:
+        assert row["trajectories_per_s"] > 0 and row["bound"] > 1
+        assert 0 <= row["trainer_idle_frac"] <= 1 and 0 <= row["rollout_idle_frac"] <= 1
+    summary = result["summary"]
+    assert {"speedup_cv1_eta2", "bound_cv1_eta2", "max_lag_cv1_eta2"} <= set(summary)
+    assert summary["speedup_cv1_eta2"] > 0

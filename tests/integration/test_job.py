@@ -241,6 +241,18 @@ def test_smoke_fp8_unified(start_job: Callable[..., Job]) -> None:
     assert summary["mismatch_mean_abs_logprob"] < 1e-3
 
 
+def test_smoke_fp8_unified_exact_has_zero_mismatch(start_job: Callable[..., Job]) -> None:
+    """Rollout loads the published FP8 bytes; on the exact backend every same-version log-prob matches bitwise."""
+    job = start_job("precision.mode=fp8_unified", "precision.backend=exact", "staleness.mode=sync")
+    assert job.wait() == 0, job.stderr()
+    summary = check_summary(job, max_steps=4)
+    assert summary["mismatch_mean_abs_logprob"] == 0.0 and summary["mismatch_coverage"] == 1.0
+    for row in job.metrics():
+        assert row["mismatch/tokens"] > 0 and row["mismatch/abs_max"] == row["mismatch/k3"] == 0.0
+    version = job.run_dir / "store" / job.job_id / "weights" / "v00000004"
+    assert json.loads((version / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
 def test_smoke_sync_has_zero_lag(start_job: Callable[..., Job]) -> None:
     job = start_job("staleness.mode=sync")
     assert job.wait() == 0, job.stderr()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.reward.backend import LocalBackend
 from services.reward.pool import RewardPool
 from services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, RewardRouter
 from shared.bus import RedisBus
@@ -78,7 +79,8 @@ async def route(
     job_id = job_id or events[0].job_id
     bus = RedisBus(redis_url, job_id)
     pool = RewardPool(num_workers=2, timeout_s=timeout_s, modules=("reward_test_fns",))
-    router = RewardRouter(bus, pool, detokenize, consumer="r0", max_retries=1, block_ms=100, metrics_every_s=0.0)
+    router = RewardRouter(bus, {"local": LocalBackend(pool)}, detokenize, consumer="r0", max_retries=1, block_ms=100,
+                          metrics_every_s=0.0)
     try:
         await bus.ensure_group(RAW_STREAM, GROUP)
         for event in events:

@@ -1,0 +1,46 @@
+"""End to end: `jetroll run configs/smoke.yaml --set reward.backend=celery` with the Celery worker it launches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+from test_job import audit_ledger, check_summary, launch, model_path, service_logs, stop  # noqa: F401 - fixture
+
+from shared.events import ScoredEvent, decode
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def celery_worker_pids(job_id: str) -> list[int]:
+    """Live processes (worker and pool children) of the job's launched Celery worker."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if b"functions.celery_app" in args and f"jetroll-{job_id}-".encode() in args:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_smoke_job_with_celery_rewards(tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
+    job = launch(tmp_path, redis_url, model_path, "reward.backend=celery", "reward.celery_concurrency=2")
+    try:
+        assert job.wait() == 0, f"{job.stderr()}\n{service_logs(job.run_dir)}"
+        check_summary(job, max_steps=4)
+        audit_ledger(redis_url, job.job_id, max_steps=4, groups_per_step=4, group_size=4)
+        client = redis.Redis.from_url(redis_url)
+        try:
+            entries = client.xrange(f"jetroll:{job.job_id}:traj:scored")
+        finally:
+            client.close()
+        scored = [decode(fields[b"e"]) for _, fields in entries]
+        assert len(scored) >= 4 * 4 * 4 and all(isinstance(e, ScoredEvent) for e in scored)
+        assert {(e.backend, e.status) for e in scored} == {("celery", "ok")}
+        assert "jetroll.reward" in job.service_log("celery-worker")
+        assert not celery_worker_pids(job.job_id), "the launcher left Celery processes behind"
+    finally:
+        stop(job)

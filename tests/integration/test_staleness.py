@@ -1,0 +1,263 @@
+"""The staleness spec on a real Redis: the trainer waits rather than let a slow group pass eta_hard, masks and counts
+what is still beyond it, and a sequence interrupted by a weight update carries both versions with the new weights'
+log-probs after the swap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from services.controller.admission import IN_FLIGHT
+from services.init_model import init_weights, model_args
+from services.launcher import Launcher
+from services.rollout.engine import Engine
+from services.rollout.worker import RolloutWorker
+from services.trainer.trainer import Trainer
+from shared.bus import RedisBus
+from shared.config import JobConfig, ModelConfig, validate_config
+from shared.events import Array, GroupEvent, ScoredEvent, TrajectoryEvent, WeightsPublishedEvent, decode
+from shared.model import CausalLM, load_pretrained, save_pretrained
+from shared.store import setup_store
+from shared.tokenizer import build_char_tokenizer
+
+pytestmark = pytest.mark.integration
+
+TINY = ModelConfig(num_layers=1, intermediate_size=256)
+
+
+def build_model(directory: Path, seed: int, weight_scale: float = 1.0) -> None:
+    """A random tiny model; scaling every matrix up makes attention (so the KV cache) and the logits matter."""
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    model = CausalLM(model_args(TINY, tokenizer))
+    init_weights(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(weight_scale)
+    save_pretrained(model, tokenizer, directory)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="jetroll-staleness-model-") as tmp:
+        build_model(Path(tmp), seed=0)
+        yield Path(tmp)
+
+
+def job_config(model_dir: Path, run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
+    tree: dict[str, Any] = {"job_id": f"s{uuid.uuid4().hex[:8]}", "eval": {"num_problems": 1},
+                            "model": {**TINY.model_dump(), "path": str(model_dir)},
+                            "store": {"root": str(run_dir / "store")}}
+    for name, fields in sections.items():
+        tree[name] = {**tree.get(name, {}), **fields}
+    return validate_config(tree)
+
+
+def scored(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int]) -> ScoredEvent:
+    n = len(v_tok)
+    traj = TrajectoryEvent(
+        job_id=job_id, traj_id=f"{group}:{sample}", group_id=group, sample=sample, task="arithmetic",
+        pool="default", prompt="1+1=", answer="2", prompt_ids=Array.of([5, 6, 7], "<i4"),
+        completion_ids=Array.of([8 + (i + sample) % 10 for i in range(n)], "<i4"), loss_mask=Array.of([1] * n, "<u1"),
+        behavior_logprobs=Array.of([-3.0] * n, "<f4"), v_tok=Array.of(v_tok, "<i4"), v_adm=v_adm, group_size=2,
+        temperature=1.0, top_p=1.0, precision_id="p", finish_reason="stop")
+    return ScoredEvent(job_id=job_id, trajectory=traj, reward=float(sample), status="ok", attempts=1,
+                       backend="local", latency_s=0.0)
+
+
+async def trainer_rows(bus: RedisBus) -> dict[int, dict[str, float]]:
+    """The trainer's metrics so far, by step."""
+    rows: dict[int, dict[str, float]] = {}
+    for _, fields in await bus.redis.xrange(bus.key("metrics")):
+        event = decode(fields[b"e"])
+        if event.service == "trainer":
+            rows.setdefault(event.step, {})[event.name] = event.value
+    return rows
+
+
+@pytest.mark.parametrize("engine", ["real", "timing"])
+def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
+    engine: str, model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """eta = 1, so eta_hard = 2; B = 1 group of 2. The test plays controller and reward router.
+
+    g1 (v_adm 0) is slow: one sample arrives at once, the other only after the trainer has reached v2 and must wait
+    for it, though g4 is complete; its late sample straddles v0..v2 and trains with lag 2, unmasked. g6 (v_adm 2)
+    carries tokens of a worker stuck on v0: trained at v5, those lag 5 and are masked and counted.
+    """
+    config = job_config(model_dir, tmp_path, trainer={"engine": engine, "timing_step_s": 0.02, "max_steps": 6,
+                                                      "groups_per_step": 1, "group_size": 2},
+                        staleness={"max_staleness": 1})
+    job = config.job_id
+
+    async def scenario() -> tuple[dict[int, dict[str, float]], float, int]:
+        bus = RedisBus(redis_url, job)
+        trainer = Trainer(config, bus, setup_store(config.store, job, tmp_path), "trainer")
+        task = asyncio.create_task(trainer.run())
+        try:
+            await bus.redis.zadd(bus.key(IN_FLIGHT), {"g1": 0, "g2": 0, "g3": 1, "g4": 1, "g5": 2, "g6": 2})
+            await bus.publish_many("traj:scored", [
+                scored(job, "g1", 0, 0, [0, 0]),
+                *(scored(job, "g2", i, 0, [0, 0]) for i in range(2)),
+                *(scored(job, "g3", i, 1, [1, 1]) for i in range(2)),
+                *(scored(job, "g4", i, 1, [1, 2]) for i in range(2))])
+            while trainer.version < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            version_while_waiting = trainer.version
+            await bus.publish_many("traj:scored", [
+                scored(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2]),
+                *(scored(job, "g5", i, 2, [2, 3, 4]) for i in range(2)),
+                *(scored(job, "g6", i, 2, [0, 0, 3, 4]) for i in range(2))])
+            await asyncio.wait_for(task, timeout=60)
+            return await trainer_rows(bus), version_while_waiting, await bus.redis.zcard(bus.key(IN_FLIGHT))
+        finally:
+            task.cancel()
+            await bus.close()
+
+    rows, version_while_waiting, num_in_flight = asyncio.run(scenario())
+    assert version_while_waiting == 2  # g4 was complete, but g1 had to come first
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ledger = {k.decode(): json.loads(v) for k, v in client.hgetall(f"jetroll:{job}:ledger").items()}
+    finally:
+        client.close()
+    assert {g: o["step"] for g, o in ledger.items()} == {"g2": 1, "g3": 2, "g1": 3, "g4": 4, "g5": 5, "g6": 6}
+    assert num_in_flight == 0
+    assert rows[3]["stale_wait_s"] >= 0.4 and rows[3]["lag_max"] == 2 and rows[3]["mixed_version_frac"] == 0.5
+    for step in (1, 2, 3, 4, 5):
+        assert rows[step]["lag_max"] <= 2 and rows[step]["stale_masked_tokens"] == 0
+    assert rows[6]["lag_max"] == 5 and rows[6]["stale_masked_tokens"] == 4
+    assert rows[6]["stale_masked_frac"] == pytest.approx(4 / 8)
+    if engine == "real":  # the loss saw only the tokens within eta_hard
+        assert rows[6]["num_tokens"] == rows[6]["num_policy_tokens"] - 4
+        assert rows[3]["num_tokens"] == rows[3]["num_policy_tokens"]
+
+
+def test_bound_holds_end_to_end(model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    """A whole job on the timing models with heavy-tailed lengths (cv 3), eta = 1: slow trajectories straddle
+    several updates. Recounted from the scored stream and the ledger, no trained token lags more than eta_hard
+    unless the trainer counted it as masked."""
+    eta_hard = 2
+    config = job_config(
+        model_dir, tmp_path,
+        rollout={"engine": "timing", "max_batch": 16, "compile": False,
+                 "timing": {"mean_tokens": 64, "cv": 3.0, "token_time_s": 0.002, "seed": 3}},
+        trainer={"engine": "timing", "timing_step_s": 0.05, "max_steps": 24, "groups_per_step": 4, "group_size": 4},
+        staleness={"max_staleness": 1}, reward={"num_workers": 2})
+    launcher = Launcher(config, tmp_path, redis_url, is_console=False)
+    try:
+        assert launcher.supervise() == 0
+    finally:
+        launcher.stop()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        key = f"jetroll:{config.job_id}"
+        ledger = {k.decode(): json.loads(v) for k, v in client.hgetall(f"{key}:ledger").items()}
+        trajectories = {}
+        for _, fields in client.xrange(f"{key}:traj:scored"):
+            traj = decode(fields[b"e"]).trajectory
+            trajectories.setdefault(traj.traj_id, traj)  # the trainer keeps the first copy
+        assert client.zcard(f"{key}:{IN_FLIGHT}") == 0
+    finally:
+        client.close()
+    rows = {int(r["step"]): r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == list(range(1, 25))
+    max_versions = 0
+    for outcome in ledger.values():
+        consumed_at = outcome["step"] - 1  # a step trains at the version before it
+        for traj_id in outcome["traj_ids"]:
+            v_tok = trajectories[traj_id].v_tok.numpy()
+            max_versions = max(max_versions, len(set(v_tok.tolist())))
+            beyond = int((consumed_at - v_tok > eta_hard).sum())
+            rows[outcome["step"]]["recount"] = rows[outcome["step"]].get("recount", 0) + beyond
+    for step, row in rows.items():
+        assert row["stale_masked_tokens"] == row.get("recount", 0), step
+        assert row["lag_max"] <= eta_hard or row["stale_masked_tokens"] > 0, step
+    assert max_versions >= 3  # a slow trajectory really crossed several updates
+    assert sum(r["stale_wait_s"] for r in rows.values()) > 0  # and the trainer waited for it
+
+
+def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
+    model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real rollout worker on a real Redis and store: v1 is published while a group decodes. Every token's
+    behaviour log-prob must be a full forward of the weights its v_tok names: the old ones before the swap, the
+    new ones (KV cache recomputed) after it."""
+    config = job_config(model_dir, tmp_path, rollout={"max_batch": 8, "max_seq_len": 160, "compile": False},
+                        trainer={"group_size": 8})
+    job = config.job_id
+    new_dir = tmp_path / "v1-src"
+    build_model(new_dir, seed=1, weight_scale=10.0)
+    step = Engine.step
+
+    def slow_step(engine: Engine) -> list:
+        time.sleep(0.003)  # a few ms per token, so v1 lands mid-sequence
+        return step(engine)
+
+    monkeypatch.setattr(Engine, "step", slow_step)
+    tokenizer = build_char_tokenizer()
+
+    async def publish(store: Any, bus: RedisBus, version: int, src: Path) -> None:
+        manifest = await store.publish(version, version, src, precision_id=config.precision.precision_id,
+                                       dtype="float32", parent=version - 1 if version else None)
+        await bus.publish("weights", WeightsPublishedEvent(
+            job_id=job, version=version, step=version, manifest_uri=store.uri(version),
+            shard_sha256={s.key: s.sha256 for s in manifest.shards}, size_bytes=0, precision_id=manifest.precision_id))
+
+    async def scenario() -> list[TrajectoryEvent]:
+        bus = RedisBus(redis_url, job)
+        store = setup_store(config.store, job, tmp_path)
+        await publish(store, bus, 0, model_dir)
+        await bus.ensure_group("groups:default", "rollout")
+        await bus.ensure_group("traj:raw", "reward")  # the reward router's group, for the worker's backpressure
+        worker = asyncio.create_task(RolloutWorker(config, bus, store, "rollout-0").run())
+        try:
+            prompt = "12*34="
+            await bus.publish("groups:default", GroupEvent(
+                job_id=job, group_id="g0000001", task="arithmetic", pool="default", prompt=prompt,
+                prompt_ids=Array.of(tokenizer.encode(prompt), "<i4"), answer="408", group_size=8,
+                max_new_tokens=120, v_adm=0))
+            while not (await bus.redis.xpending(bus.key("groups:default"), "rollout"))["pending"]:
+                await asyncio.sleep(0.005)
+            await publish(store, bus, 1, new_dir)
+            while len(entries := await bus.redis.xrange(bus.key("traj:raw"))) < 8:
+                if worker.done():
+                    worker.result()  # raises what stopped it
+                await asyncio.sleep(0.05)
+            return [decode(fields[b"e"]) for _, fields in entries]  # type: ignore[misc]
+        finally:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+            await bus.close()
+
+    trajectories = asyncio.run(scenario())
+    models = {0: load_pretrained(model_dir)[0], 1: load_pretrained(new_dir)[0]}
+    num_interrupted, new_vs_old = 0, []
+    for traj in trajectories:
+        v_tok = traj.v_tok.numpy().tolist()
+        num_old = v_tok.count(0)
+        assert v_tok == [0] * num_old + [1] * (len(v_tok) - num_old)
+        num_interrupted += 0 < num_old < len(v_tok)
+        prompt, completion = traj.prompt_ids.numpy().tolist(), traj.completion_ids.numpy().tolist()
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            full = {v: torch.log_softmax(m(ids)[0, len(prompt) - 1:-1].float(), -1) for v, m in models.items()}
+        mu = torch.from_numpy(traj.behavior_logprobs.numpy().copy())
+        for t, (token, version) in enumerate(zip(completion, v_tok, strict=True)):
+            assert mu[t].item() == pytest.approx(full[version][t, token].item(), abs=1e-4), (traj.traj_id, t)
+            if version == 1:
+                new_vs_old.append(abs(full[0][t, token].item() - full[1][t, token].item()))
+    assert num_interrupted >= 1
+    assert sum(new_vs_old) / len(new_vs_old) > 0.1  # the check tells the two versions apart

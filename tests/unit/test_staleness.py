@@ -1,0 +1,103 @@
+"""Staleness rules on their own: per-step metrics, the trainer's oldest-first take with required groups, admission,
+and the reference figures of `bench async` (S* and the event model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.bench.async_model import Durations, bound, expected_max_s, simulate
+from services.controller.admission import Admission
+from services.trainer.batch import GroupBuffer
+from services.trainer.staleness import staleness_stats
+from shared.config import TimingEngineConfig
+from shared.events import Array, ScoredEvent, TrajectoryEvent
+
+
+def trajectory(group: str, sample: int, v_tok: list[int], v_adm: int = 0, task: str = "arithmetic",
+               loss_mask: list[int] | None = None, group_size: int = 2) -> TrajectoryEvent:
+    n = len(v_tok)
+    return TrajectoryEvent(
+        job_id="j", traj_id=f"{group}:{sample}", group_id=group, sample=sample, task=task, pool="default",
+        prompt="1+1=", answer="2", prompt_ids=Array.of([3, 4], "<i4"), completion_ids=Array.of([5] * n, "<i4"),
+        loss_mask=Array.of(loss_mask or [1] * n, "<u1"), behavior_logprobs=Array.of([-1.0] * n, "<f4"),
+        v_tok=Array.of(v_tok, "<i4"), v_adm=v_adm, group_size=group_size, temperature=1.0, top_p=1.0,
+        precision_id="p", finish_reason="stop")
+
+
+def scored(traj: TrajectoryEvent) -> ScoredEvent:
+    return ScoredEvent(job_id="j", trajectory=traj, reward=1.0, status="ok", attempts=1, backend="local",
+                       latency_s=0.0)
+
+
+def test_staleness_stats_lags_masks_and_histogram() -> None:
+    trajectories = [
+        trajectory("g1", 0, [5, 5, 5]),  # lag 0
+        trajectory("g1", 1, [3, 4, 5]),  # lag 2, mixed
+        trajectory("g2", 0, [1, 1, 2, 2], task="other"),  # lags 4, 4, 3, 3: all beyond eta_hard 2
+        trajectory("g2", 1, [0, 5], loss_mask=[0, 1], task="other"),  # the env token (mask 0) does not count
+    ]
+    stats = staleness_stats(trajectories, version=5, eta_hard=2)
+    assert stats["lag_max"] == 4 and stats["lag_mean"] == pytest.approx((0 + 2 + 4 + 0) / 4)
+    assert stats["lag_hist/0"] == 2 and stats["lag_hist/2"] == 1 and stats["lag_hist/4"] == 1
+    assert stats["stale_masked_tokens"] == 4  # v_tok 1, 1 (lag 4) and 2, 2 (lag 3)
+    assert stats["stale_masked_frac"] == pytest.approx(4 / 11)
+    assert stats["mixed_version_frac"] == pytest.approx(2 / 4)
+    assert stats["mixed_version_token_frac"] == pytest.approx(7 / 11)
+    assert stats["token_lag_mean"] == pytest.approx((0 + 3 + 14 + 0) / 11)
+    assert stats["lag_max/arithmetic"] == 2 and stats["lag_max/other"] == 4 and stats["lag_p50/other"] == 2
+
+
+def test_take_oldest_waits_for_a_required_group() -> None:
+    buffer = GroupBuffer()
+    for group, v_adm in (("g2", 1), ("g3", 1)):
+        for sample in range(2):
+            buffer.add(f"{group}-{sample}", scored(trajectory(group, sample, [v_adm], v_adm=v_adm)))
+    buffer.add("g1-0", scored(trajectory("g1", 0, [0])))  # the slow group: one sample of two
+    assert buffer.take_oldest(1, frozenset({"g1"})) is None  # a newer complete group does not jump the bound
+    taken = buffer.take_oldest(1)
+    assert taken is not None and [g.group_id for g in taken] == ["g2"]
+    buffer.add("g1-1", scored(trajectory("g1", 1, [0, 1, 2])))
+    taken = buffer.take_oldest(1, frozenset({"g1"}))
+    assert taken is not None and [g.group_id for g in taken] == ["g1"]
+
+
+def test_required_groups_come_first_among_equal_versions() -> None:
+    buffer = GroupBuffer()
+    for group in ("g1", "g2", "g3"):
+        for sample in range(2):
+            buffer.add(f"{group}-{sample}", scored(trajectory(group, sample, [0])))
+    taken = buffer.take_oldest(2, frozenset({"g3"}))
+    assert taken is not None and {g.group_id for g in taken} == {"g1", "g3"}
+
+
+def test_admission_bound() -> None:
+    admission = Admission(groups_per_step=4, eta=2, max_steps=10)
+    assert admission.num_allowed(0) == 12  # (0 + 2 + 1) * 4
+    admission.num_admitted, admission.num_dropped = 12, 1
+    assert admission.num_allowed(0) == 1 and admission.num_allowed(1) == 5
+    admission.num_admitted = 40
+    assert admission.num_allowed(50) == 1  # never past max_steps * B live groups
+
+
+def test_bound_matches_the_architecture_figures() -> None:
+    """S* = 1.98 / 2.56 / 2.95 at cv 0.5 / 1 / 2 with rollout at 70% of a sync step (ARCHITECTURE.md)."""
+    for cv, expected in ((0.5, 1.98), (1.0, 2.56), (2.0, 2.95)):
+        config = TimingEngineConfig(mean_tokens=512, cv=cv, token_time_s=1e-3)
+        e_max = expected_max_s(config, 256)
+        train = 3 / 7 * e_max
+        assert bound(e_max, 0.512, 256, 256, train) == pytest.approx(expected, abs=0.03)
+
+
+def test_event_model_sync_is_ideal_and_async_gains() -> None:
+    config = TimingEngineConfig(mean_tokens=512, cv=1.0, token_time_s=1e-3)
+    durations = Durations(config)
+    e_max = expected_max_s(config, 64)
+    train = 3 / 7 * e_max
+    sync = simulate(durations, num_groups=8, group_size=8, num_slots=64, eta=0, train_s=train, num_steps=30)
+    assert sync.lags == [0] * len(sync.lags)
+    steps = np.diff([0.0, *sync.step_times_s])
+    assert steps.mean() == pytest.approx(e_max + train, rel=0.15)  # one longest trajectory plus T + W per step
+    fast = simulate(durations, num_groups=8, group_size=8, num_slots=16, eta=2, train_s=train / 0.75, num_steps=30)
+    assert fast.throughput(64, 3) > 1.8 * sync.throughput(64, 3)
+    assert max(fast.lags) <= 4
