@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -56,8 +57,9 @@ class Scale:
     num_slots: int = 256
     mean_tokens: int = 512
     token_time_s: float = 2e-4
-    num_steps: int = 10
+    num_steps: int = 10  # at least; more where an ideal sync step is short, to fill min_window_s
     num_warmup_steps: int = 2
+    min_window_s: float = 10.0  # measured steps x an ideal sync step: the sync max-of-N draws average out
     num_stress_steps: int = 6  # a sync step under stress takes several rounds of 10x-slow failures
     cvs: tuple[float, ...] = (0.5, 1.0, 2.0)
     etas: tuple[int, ...] = (0, 1, 2, 4)
@@ -69,7 +71,8 @@ class Scale:
 
 
 FULL = Scale()
-QUICK = Scale(num_groups=8, num_slots=64, num_steps=5, num_warmup_steps=2, cvs=(1.0,), etas=(2,), has_stress=False)
+QUICK = Scale(num_groups=8, num_slots=64, num_steps=5, num_warmup_steps=2, min_window_s=0.0, cvs=(1.0,), etas=(2,),
+              has_stress=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +200,14 @@ def pick_rollout_frac(scale: Scale, durations: Durations, eta: int, train_sync_s
 def run_cv(scale: Scale, cv: float, is_stress: bool, etas: tuple[int, ...], seed: int, model_path: str, root: Path,
            redis_url: str) -> list[dict[str, Any]]:
     """Sync, then async at each eta, on one length distribution; speedups against this sync."""
-    if is_stress:
-        scale = replace(scale, num_steps=scale.num_stress_steps)
     timing = timing_config(scale, cv, is_stress, seed)
     durations = Durations(timing)
     e_max_s = expected_max_s(timing, scale.num_trajectories)
     mean_s = scale.mean_tokens * scale.token_time_s
     train_sync_s = TRAIN_FRACTION_OF_MAX * e_max_s
+    num_window_steps = math.ceil(scale.min_window_s / (e_max_s + train_sync_s))
+    num_steps = scale.num_stress_steps if is_stress else max(scale.num_steps, scale.num_warmup_steps + num_window_steps)
+    scale = replace(scale, num_steps=num_steps)
     s_star = bound(e_max_s, mean_s, scale.num_trajectories, scale.num_slots, train_sync_s)
     sync = measure(scale, Setting(cv, "sync", 0, 1.0, train_sync_s, is_stress), timing, durations, model_path, root,
                    redis_url)
@@ -271,8 +275,9 @@ def _config(scale: Scale, seed: int) -> dict[str, Any]:
         "train_fraction_of_max": TRAIN_FRACTION_OF_MAX,
         "stress": {"fail_frac": STRESS_FAIL_FRAC, "fail_slowdown": STRESS_SLOWDOWN, "cv": 1.0, "eta": 2},
         "seed": seed,
-        "statistic": f"trained trajectories / s over steps {scale.num_warmup_steps + 1}..{scale.num_steps} "
-                     f"(stress: ..{scale.num_stress_steps})",
+        "statistic": f"trained trajectories / s after {scale.num_warmup_steps} warm-up steps, over at least "
+                     f"{scale.num_steps - scale.num_warmup_steps} steps and {scale.min_window_s:g} s of ideal sync "
+                     f"steps ({scale.num_stress_steps - scale.num_warmup_steps} steps under stress)",
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
     }
 
