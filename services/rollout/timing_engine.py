@@ -97,7 +97,8 @@ class TimingEngine:
         return finished
 
     def swap_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool = True) -> None:
-        """Swap at the current chunk boundary: the chunks before it were decoded with the old version."""
+        """Swap at the current chunk boundary: the chunks before it were decoded with the old version (there is no
+        KV cache to recompute; the signature is the engine's)."""
         self._advance(time.monotonic())
         self.version = version
 

@@ -77,6 +77,7 @@ class Trainer:
         self.publish_s = 0.0
         self.ingested = asyncio.Event()  # set after each read of the scored stream
         self.ingest_task: asyncio.Task[None] | None = None
+        self.is_training = False
         assert config.model.path, "the launcher resolves model.path before services start"
         self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.trainer_side())
         self.model.train()
@@ -92,11 +93,14 @@ class Trainer:
         await self.bus.ensure_group(STREAM, GROUP)
         await self._resume_or_publish_base()
         # scored trajectories are buffered all along, steps included: the next step's groups are at hand when it starts
-        self.ingest_task = asyncio.create_task(self._ingest_forever())
+        self.is_training = True
+        self.ingest_task = asyncio.create_task(self._ingest_while_training())
         try:
             await self._train()
         finally:
-            self.ingest_task.cancel()
+            # the reader ends after its current read; a cancel could be lost inside redis-py on Python 3.11
+            self.is_training = False
+            await asyncio.wait({self.ingest_task})
         log.info("trainer done at version %d", self.version)
 
     async def _train(self) -> None:
@@ -150,8 +154,8 @@ class Trainer:
         if self.ingest_task.done():
             self.ingest_task.result()
 
-    async def _ingest_forever(self) -> None:
-        while True:
+    async def _ingest_while_training(self) -> None:
+        while self.is_training:
             await self._ingest()
             self.ingested.set()
 

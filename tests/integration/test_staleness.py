@@ -9,7 +9,7 @@ import json
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,28 @@ def scored(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int]) -
                        backend="local", latency_s=0.0)
 
 
+async def until(predicate: Callable[[], Awaitable[bool]], task: asyncio.Task[None], what: str,
+                timeout_s: float = 60.0) -> None:
+    """Poll `predicate` while `task` runs; a dead task raises its error, a timeout names what never happened."""
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if task.done():
+            task.result()
+            pytest.fail(f"the service stopped before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    """Cancel until it ends: on Python 3.11, asyncio.wait_for inside redis-py's socket writes (socket_timeout is 5 s
+    by default) drops a cancellation that races a finished write, and the service would run on."""
+    for _ in range(50):
+        task.cancel()
+        if (await asyncio.wait({task}, timeout=0.2))[0]:
+            return
+
+
 async def trainer_rows(bus: RedisBus) -> dict[int, dict[str, float]]:
     """The trainer's metrics so far, by step."""
     rows: dict[int, dict[str, float]] = {}
@@ -112,8 +134,10 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
                 *(scored(job, "g2", i, 0, [0, 0]) for i in range(2)),
                 *(scored(job, "g3", i, 1, [1, 1]) for i in range(2)),
                 *(scored(job, "g4", i, 1, [1, 2]) for i in range(2))])
-            while trainer.version < 2:
-                await asyncio.sleep(0.01)
+            async def is_at_v2() -> bool:
+                return trainer.version >= 2
+
+            await until(is_at_v2, task, "step 2")
             await asyncio.sleep(0.5)
             version_while_waiting = trainer.version
             await bus.publish_many("traj:scored", [
@@ -123,7 +147,7 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
             await asyncio.wait_for(task, timeout=60)
             return await trainer_rows(bus), version_while_waiting, await bus.redis.zcard(bus.key(IN_FLIGHT))
         finally:
-            task.cancel()
+            await stop(task)
             await bus.close()
 
     rows, version_while_waiting, num_in_flight = asyncio.run(scenario())
@@ -229,17 +253,20 @@ def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
                 job_id=job, group_id="g0000001", task="arithmetic", pool="default", prompt=prompt,
                 prompt_ids=Array.of(tokenizer.encode(prompt), "<i4"), answer="408", group_size=8,
                 max_new_tokens=120, v_adm=0))
-            while not (await bus.redis.xpending(bus.key("groups:default"), "rollout"))["pending"]:
-                await asyncio.sleep(0.005)
+            async def is_delivered() -> bool:
+                info = await bus.redis.xinfo_groups(bus.key("groups:default"))
+                return info[0]["last-delivered-id"] != b"0-0"
+
+            async def is_emitted() -> bool:
+                return await bus.redis.xlen(bus.key("traj:raw")) >= 8
+
+            await until(is_delivered, worker, "the worker takes the group")
             await publish(store, bus, 1, new_dir)
-            while len(entries := await bus.redis.xrange(bus.key("traj:raw"))) < 8:
-                if worker.done():
-                    worker.result()  # raises what stopped it
-                await asyncio.sleep(0.05)
-            return [decode(fields[b"e"]) for _, fields in entries]  # type: ignore[misc]
+            await until(is_emitted, worker, "8 trajectories")
+            events = [decode(fields[b"e"]) for _, fields in await bus.redis.xrange(bus.key("traj:raw"))]
+            return [e for e in events if isinstance(e, TrajectoryEvent)]
         finally:
-            worker.cancel()
-            await asyncio.gather(worker, return_exceptions=True)
+            await stop(worker)
             await bus.close()
 
     trajectories = asyncio.run(scenario())

@@ -52,7 +52,7 @@ def test_samples_finish_after_their_length_times_the_token_time() -> None:
     for request in requests:
         fate = draw(config, request.request_id)
         expected_s = math.ceil(fate.num_tokens / config.chunk_tokens) * chunk_s  # ends on a chunk boundary
-        assert expected_s - 1e-3 <= finished_at[request.request_id] <= expected_s + 0.03
+        assert expected_s - 1e-3 <= finished_at[request.request_id] <= expected_s + 0.1  # late only on a busy CPU
         assert len(request.output_ids) == len(request.logprobs) == len(request.versions) == fate.num_tokens
         assert request.output_ids[-1] == EOS and request.finish_reason == "stop"
         assert all(2 <= t < VOCAB for t in request.output_ids[:-1])  # no special token inside a completion
@@ -60,12 +60,12 @@ def test_samples_finish_after_their_length_times_the_token_time() -> None:
 
 
 def test_slots_bound_concurrency() -> None:
-    config = TimingEngineConfig(mean_tokens=64, cv=0.0, token_time_s=2e-4)
+    config = TimingEngineConfig(mean_tokens=64, cv=0.0, token_time_s=2e-3)
     engine = TimingEngine(config, EOS, VOCAB, max_batch=2, max_len=1024)
     finished_at = run(engine, [Request(f"g0000001:{i}", [3], 8) for i in range(4)])
     one_s = 64 * config.token_time_s
     times = sorted(finished_at.values())
-    assert times[1] == pytest.approx(one_s, abs=0.01) and times[3] == pytest.approx(2 * one_s, abs=0.015)
+    assert one_s <= times[1] < 1.5 * one_s and 2 * one_s <= times[3] < 2.5 * one_s  # two waves of two
 
 
 def test_a_swap_tags_later_tokens_with_the_new_version() -> None:
