@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         svc.add_argument("--redis-url", required=True)
         svc.add_argument("--consumer", default=name, help="consumer name in the stream's consumer group")
         svc.add_argument("--run-dir", type=Path, required=True)
+        if name == "rollout":
+            svc.add_argument("--pool", help="the rollout pool to serve (default: the first in rollout.pools)")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -166,13 +168,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(threads)
     try:
-        asyncio.run(_service_main(args.command, config, args.redis_url, args.consumer, args.run_dir))
+        asyncio.run(_service_main(args.command, config, args.redis_url, args.consumer, args.run_dir,
+                                  getattr(args, "pool", None)))
     except asyncio.CancelledError:
         return 143
     return 0
 
 
-async def _service_main(name: str, config: JobConfig, redis_url: str, consumer: str, run_dir: Path) -> None:
+async def _service_main(name: str, config: JobConfig, redis_url: str, consumer: str, run_dir: Path,
+                        pool: str | None = None) -> None:
     from shared.bus import RedisBus
     from shared.store import setup_store
 
@@ -196,7 +200,7 @@ async def _service_main(name: str, config: JobConfig, redis_url: str, consumer: 
         elif name == "rollout":
             from services.rollout.worker import RolloutWorker
 
-            await RolloutWorker(config, bus, store, consumer).run()
+            await RolloutWorker(config, bus, store, consumer, pool).run()
         else:
             from services.controller.controller import Controller
 

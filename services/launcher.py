@@ -24,6 +24,7 @@ STOP_TIMEOUT_S = 10.0
 class Service:
     name: str  # also the base of the consumer name
     kind: str  # controller | rollout | reward | trainer | celery (a reward worker)
+    pool: str | None = None  # rollout: the pool it serves
     process: subprocess.Popen | None = None
     num_restarts: int = 0
     is_done: bool = False
@@ -39,7 +40,8 @@ class Launcher:
         self.config_path = run_dir / "config.json"
         self.config_path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
         (run_dir / "logs").mkdir(exist_ok=True)
-        rollouts = [Service(f"rollout-{i}", "rollout") for i in range(config.rollout.num_workers)]
+        rollouts = [Service(f"rollout-{pool.name}-{i}", "rollout", pool=pool.name)
+                    for pool in config.rollout.pools for i in range(pool.num_workers)]
         self.services = [Service("trainer", "trainer"), Service("reward", "reward"), *rollouts,
                          Service("controller", "controller")]
         if needs_celery_worker(config.reward, [task.name for task in config.tasks]):
@@ -49,6 +51,8 @@ class Launcher:
         consumer = service.name if not service.num_restarts else f"{service.name}-r{service.num_restarts}"
         cmd = [sys.executable, "-m", "services.cli", service.kind, "--config", str(self.config_path),
                "--redis-url", self.redis_url, "--consumer", consumer, "--run-dir", str(self.run_dir)]
+        if service.pool is not None:
+            cmd += ["--pool", service.pool]
         env = None
         if service.kind == "celery":
             from services.reward.celery_worker import worker_command, worker_env

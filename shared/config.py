@@ -76,15 +76,42 @@ class TimingEngineConfig(Strict):
     seed: int = Field(0, description="seed of the length and failure draws")
 
 
+class PoolConfig(Strict):
+    """A rollout pool: workers on one hardware class, fed by their own `groups:<name>` stream, so a slow pool never
+    holds up the tasks routed to the others. A task goes to the pool that lists it in `tasks`, else to the first
+    pool whose `profile` matches the task's, else to the first pool."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="pool name; its work stream is groups:<name>")
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form hardware labels, e.g. gpu: h200")
+    tasks: list[str] = Field(default_factory=list, description="tasks routed here explicitly")
+    profile: Literal["prefill_heavy", "decode_heavy"] | None = Field(
+        None, description="route tasks of this profile here: prefill_heavy (prompt longer than the completion "
+        "budget) or decode_heavy (the rest)")
+    num_workers: int = Field(1, ge=1, description="rollout workers (Ray: the deployment's min replicas)")
+    max_workers: int | None = Field(None, ge=1, description="Ray autoscaling ceiling; None keeps num_workers")
+    max_batch: int | None = Field(None, ge=1, description="decode slots per worker; None uses rollout.max_batch")
+    num_cpus: float = Field(1.0, ge=0, description="resource hint: CPUs per worker (Ray placement)")
+    num_gpus: float = Field(0.0, ge=0, description="resource hint: GPUs per worker (Ray placement)")
+    accelerator_type: str | None = Field(None, description="resource hint: Ray accelerator_type, e.g. H200")
+    timing: TimingEngineConfig | None = Field(None, description="rollout.engine timing: this pool's hardware speed; "
+                                              "None uses rollout.timing")
+
+    @model_validator(mode="after")
+    def _max_workers(self) -> PoolConfig:
+        if self.max_workers is not None and self.max_workers < self.num_workers:
+            raise ValueError(f"pool {self.name}: max_workers {self.max_workers} < num_workers {self.num_workers}")
+        return self
+
+
 class RolloutConfig(Strict):
-    """Rollout workers: a continuous-batching engine per worker."""
+    """Rollout workers: a continuous-batching engine per worker, grouped into pools."""
 
     engine: Literal["real", "timing"] = Field("real", description="real: the model decodes; timing: the timing "
                                               "model (rollout.timing) stands in for it, for orchestration benchmarks")
     timing: TimingEngineConfig = Field(default_factory=TimingEngineConfig)
-    pool: str = Field("default", description="hardware pool this worker serves")
-    num_workers: int = Field(1, ge=1, description="rollout worker processes")
-    max_batch: int = Field(128, ge=1, description="decode slots per worker")
+    pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig(name="default")], min_length=1,
+                                    description="rollout pools; each has its own work stream and workers")
+    max_batch: int = Field(128, ge=1, description="decode slots per worker (a pool may override it)")
     max_new_tokens: int = Field(1024, ge=1, description="generation cap per sample; tasks ask for less")
     max_seq_len: int = Field(1024, ge=16, description="KV-cache length per slot (prompt + completion)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (mu is log-softmax(logits / T))")
@@ -92,6 +119,22 @@ class RolloutConfig(Strict):
     recompute_kv_on_swap: bool = Field(True, description="recompute in-flight KV caches after a weight swap")
     compile: bool = Field(True, description="torch.compile the decode step (tens of seconds once per worker)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
+
+    @model_validator(mode="after")
+    def _unique_pools(self) -> RolloutConfig:
+        names = [pool.name for pool in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rollout.pools: duplicate pool names in {names}")
+        listed = [task for pool in self.pools for task in pool.tasks]
+        if len(set(listed)) != len(listed):
+            raise ValueError(f"rollout.pools: a task is routed explicitly to two pools: {listed}")
+        return self
+
+    def pool(self, name: str) -> PoolConfig:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise ValueError(f"unknown rollout pool {name!r}; pools: {[p.name for p in self.pools]}")
 
 
 class RewardConfig(Strict):
@@ -370,8 +413,13 @@ class JobConfig(Strict):
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")
-        if self.rollout.max_batch < self.trainer.group_size:
-            raise ValueError("rollout.max_batch must be >= trainer.group_size (a group decodes together)")
+        for pool in self.rollout.pools:
+            if (pool.max_batch or self.rollout.max_batch) < self.trainer.group_size:
+                raise ValueError(f"rollout.max_batch (or pool {pool.name}'s max_batch) must be >= "
+                                 "trainer.group_size (a group decodes together)")
+            for task in pool.tasks:
+                if task not in TASKS:
+                    raise ValueError(f"rollout pool {pool.name}: unknown task {task!r}; valid: {sorted(TASKS)}")
         return self
 
 

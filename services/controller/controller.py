@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services.controller.admission import IN_FLIGHT, Admission
 from services.controller.progress import MetricsBook, ProgressView, plot_curves
+from services.controller.routing import route_tasks
 from services.evaluate import evaluate
 from shared.bus import RedisBus
 from shared.config import JobConfig
@@ -40,7 +41,8 @@ class Controller:
         self.tokenizer = load_tokenizer(config.model.path)
         self.book = MetricsBook(run_dir)
         self.version = 0
-        self.group_stream = f"groups:{config.rollout.pool}"
+        self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
+        log.info("task -> rollout pool: %s", self.pool_of_task)
 
     async def run(self) -> dict:
         started = time.time()
@@ -93,12 +95,14 @@ class Controller:
             task = get_task(self.rng.choices(self.task_names, weights=self.task_weights)[0])
             problem = task.sample(self.rng)
             events.append(GroupEvent(
-                job_id=self.config.job_id, group_id=f"g{index:07d}", task=task.name, pool=self.config.rollout.pool,
+                job_id=self.config.job_id, group_id=f"g{index:07d}", task=task.name, pool=self.pool_of_task[task.name],
                 prompt=problem.prompt, prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
                 answer=problem.answer, group_size=self.config.trainer.group_size,
                 max_new_tokens=task.max_new_tokens, v_adm=self.version,
                 min_version=self.version if is_sync else 0))
-        await self.bus.publish_indexed(self.group_stream, events, IN_FLIGHT, {e.group_id: e.v_adm for e in events})
+        for pool in {e.pool for e in events}:
+            batch = [e for e in events if e.pool == pool]
+            await self.bus.publish_indexed(f"groups:{pool}", batch, IN_FLIGHT, {e.group_id: e.v_adm for e in batch})
         self.admission.num_admitted += num
 
     async def _evaluate(self, version: int) -> dict[str, float]:
@@ -126,7 +130,8 @@ class Controller:
 
     async def _stream_lags(self) -> dict[str, int]:
         lags = {}
-        for stream, group in ((self.group_stream, "rollout"), *WATCHED_STREAMS):
+        pool_streams = [(f"groups:{pool.name}", "rollout") for pool in self.config.rollout.pools]
+        for stream, group in (*pool_streams, *WATCHED_STREAMS):
             try:
                 lags[stream] = await self.bus.lag(stream, group)
             except ValueError:  # the consumer group is not created yet

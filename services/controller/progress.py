@@ -66,8 +66,12 @@ class MetricsBook:
         new_slots = slots - last.get("rollout_slot_s", 0.0)
         new_busy = busy - last.get("rollout_busy_slot_s", 0.0)
         idle = min(1.0, max(0.0, 1.0 - new_busy / new_slots)) if new_slots > 0 else float("nan")
+        per_pool = {}
+        for pool in sorted({key.split("/pool/", 1)[1].split("/", 1)[0] for key in self.latest if "/pool/" in key}):
+            for name in ("tokens_per_s", "num_trajectories"):
+                per_pool[f"pool/{pool}/{name}"] = total(f"/pool/{pool}/{name}")
         return {"rollout_busy_slot_s": busy, "rollout_slot_s": slots, "rollout_idle_frac": idle,
-                "reward_timeouts": total("/reward/timeouts"), "reward_errors": total("/reward/errors")}
+                "reward_timeouts": total("/reward/timeouts"), "reward_errors": total("/reward/errors"), **per_pool}
 
     def rollout_tokens_per_s(self) -> float:
         return sum(v for k, v in self.latest.items() if k.endswith("/tokens_per_s"))

@@ -36,16 +36,19 @@ class InFlightGroup:
 
 
 class RolloutWorker:
-    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, consumer: str) -> None:
+    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, consumer: str,
+                 pool: str | None = None) -> None:
         self.config = config
         self.bus = bus
         self.store = store
         self.consumer = consumer
-        self.stream = f"groups:{config.rollout.pool}"
+        self.pool = config.rollout.pool(pool) if pool else config.rollout.pools[0]
+        self.stream = f"groups:{self.pool.name}"
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine: Engine | TimingEngine | None = None
         self.num_tokens = 0
+        self.num_trajectories = 0
         self.busy_s = 0.0
         # slot occupancy integrated over wall time, for the rollout idle fraction
         self.busy_slot_s = 0.0
@@ -67,12 +70,13 @@ class RolloutWorker:
 
     def _setup_engine(self, directory: Path) -> Engine | TimingEngine:
         rollout = self.config.rollout
+        max_batch = self.pool.max_batch or rollout.max_batch
         if rollout.engine == "timing":
             tokenizer = load_tokenizer(directory)
-            return TimingEngine(rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, rollout.max_batch,
+            return TimingEngine(self.pool.timing or rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, max_batch,
                                 rollout.max_seq_len)
         model, tokenizer = load_pretrained(directory, self.config.precision)
-        return Engine(model, tokenizer.eos_id, rollout.max_batch, rollout.max_seq_len,
+        return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,
                       seed=hash(self.consumer) % (1 << 31), compile=rollout.compile)
 
     async def _wait_for_weights(self) -> int:
@@ -191,8 +195,10 @@ class RolloutWorker:
         if done_groups:  # ack a Group only after all its samples are emitted
             await self.bus.ack(self.stream, "rollout", *(g.entry_id for g in done_groups))
             self._tick()
+            self.num_trajectories += len(events)
             await self._metrics({"tokens_per_s": self.num_tokens / max(self.busy_s, 1e-9),
-                                 "num_tokens": self.num_tokens, "busy_slot_s": self.busy_slot_s,
+                                 "num_tokens": self.num_tokens, "num_trajectories": self.num_trajectories,
+                                 "busy_slot_s": self.busy_slot_s,
                                  "slot_s": (time.monotonic() - self.serving_since) * self.engine.max_batch})
 
     def _trajectory(self, group: GroupEvent, sample: int, request: Request) -> TrajectoryEvent:
@@ -216,6 +222,8 @@ class RolloutWorker:
     async def _metrics(self, values: dict[str, float]) -> None:
         assert self.engine is not None
         await self.bus.publish_many("metrics", [
-            MetricsEvent(job_id=self.config.job_id, service=self.consumer, name=name, value=float(value),
+            # pool/<name>/ lets the controller total each pool over its workers
+            MetricsEvent(job_id=self.config.job_id, service=self.consumer, name=f"pool/{self.pool.name}/{name}",
+                         value=float(value),
                          step=self.engine.version) for name, value in values.items()])
 

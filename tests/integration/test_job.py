@@ -276,7 +276,7 @@ def test_nothing_lost_when_rollout_and_reward_are_killed(start_job: Callable[...
         wait_for(lambda n=num_rounds: job.stderr().count("died (exit -9)") >= 2 * n, job, "the restarts")
     assert job.wait() == 0, f"{job.stderr()}\n{service_logs(job.run_dir)}"
     stderr = job.stderr()
-    for name in ("rollout-0", "reward"):
+    for name in ("rollout-default-0", "reward"):
         assert f"service {name} died (exit -9); restart 1/3" in stderr, stderr
         assert f"service {name} died (exit -9); restart 2/3" in stderr, stderr
     check_summary(job, max_steps)

@@ -1,0 +1,28 @@
+"""Task -> rollout pool routing: explicitly by task, else by the task's profile, else the first pool."""
+
+from __future__ import annotations
+
+import random
+
+from shared.config import RolloutConfig
+from shared.tasks import get_task
+from shared.tokenizer import Tokenizer
+
+PROFILE_SAMPLES = 32
+
+
+def task_profile(task_name: str, tokenizer: Tokenizer) -> str:
+    """prefill_heavy when the task's prompts are longer than its completion budget, else decode_heavy."""
+    task = get_task(task_name)
+    rng = random.Random(0)
+    mean_prompt = sum(len(tokenizer.encode(task.sample(rng).prompt)) for _ in range(PROFILE_SAMPLES)) / PROFILE_SAMPLES
+    return "prefill_heavy" if mean_prompt > task.max_new_tokens else "decode_heavy"
+
+
+def route_tasks(rollout: RolloutConfig, task_names: list[str], tokenizer: Tokenizer) -> dict[str, str]:
+    routes = {}
+    for name in task_names:
+        explicit = [pool.name for pool in rollout.pools if name in pool.tasks]
+        by_profile = [pool.name for pool in rollout.pools if pool.profile == task_profile(name, tokenizer)]
+        routes[name] = (explicit or by_profile or [rollout.pools[0].name])[0]
+    return routes
