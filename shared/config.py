@@ -85,8 +85,8 @@ class PoolConfig(Strict):
     labels: dict[str, str] = Field(default_factory=dict, description="free-form hardware labels, e.g. gpu: h200")
     tasks: list[str] = Field(default_factory=list, description="tasks routed here explicitly")
     profile: Literal["prefill_heavy", "decode_heavy"] | None = Field(
-        None, description="route tasks of this profile here: prefill_heavy (prompt longer than the completion "
-        "budget) or decode_heavy (the rest)")
+        None, description="route tasks of this profile here: decode_heavy (completion budget over twice the mean "
+        "prompt) or prefill_heavy (the rest)")
     num_workers: int = Field(1, ge=1, description="rollout workers (Ray: the deployment's min replicas)")
     max_workers: int | None = Field(None, ge=1, description="Ray autoscaling ceiling; None keeps num_workers")
     max_batch: int | None = Field(None, ge=1, description="decode slots per worker; None uses rollout.max_batch")
@@ -218,6 +218,8 @@ class TrainerConfig(Strict):
     behavior_band: tuple[float, float] = Field((0.0, 10.0), description="mask tokens with pi_prox/mu outside")
     advantage: Literal["grpo", "dr_grpo"] = Field("grpo", description="group normalisation scheme")
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference (base) policy; 0 disables")
+    task_quotas: bool = Field(True, description="each task gets its weight share of every step's groups and of the "
+                              "admission window; a share a task leaves unused goes to the others' oldest groups")
     checkpoint_every: int = Field(20, ge=1, description="write a resumable checkpoint every K steps")
     seed: int = Field(0, description="trainer RNG seed")
     threads: int = Field(1, ge=1, description="torch threads for the trainer")

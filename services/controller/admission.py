@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import random
+from dataclasses import dataclass, field
+
+from shared.config import JobConfig
 
 # sorted set group_id -> oldest version its tokens can carry, over groups admitted but not yet trained or dropped.
 # The controller adds a group at v_adm in the transaction that publishes it; a rollout worker lowers the score to the
 # version it starts the group with (it may not have swapped to v_adm yet); the trainer removes the group in the
 # transaction that records it in the ledger, and waits for any group that would otherwise pass eta_hard.
 IN_FLIGHT = "in_flight"
+
+
+def task_shares(config: JobConfig) -> dict[str, float]:
+    total = sum(task.weight for task in config.tasks)
+    return {task.name: task.weight / total for task in config.tasks}
+
+
+def task_quotas(config: JobConfig) -> dict[str, int]:
+    """Groups of each task in a step of B: its weight share, rounded by largest remainder so they sum to B."""
+    size = config.trainer.groups_per_step
+    exact = {name: share * size for name, share in task_shares(config).items()}
+    quotas = {name: math.floor(value) for name, value in exact.items()}
+    by_remainder = sorted(exact, key=lambda name: quotas[name] - exact[name])
+    for name in by_remainder[:size - sum(quotas.values())]:
+        quotas[name] += 1
+    return quotas
+
+
+def in_flight_caps(config: JobConfig) -> dict[str, int]:
+    """Groups of each task admitted but not yet trained: its weight share of the (eta + 1) * B window, so a slow
+    task's backlog never fills the window and starves the others' rollout pools."""
+    window = (config.staleness.eta + 1) * config.trainer.groups_per_step
+    return {name: math.ceil(share * window) for name, share in task_shares(config).items()}
 
 
 @dataclass(slots=True)
@@ -18,6 +45,8 @@ class Admission:
     max_steps: int
     num_admitted: int = 0
     num_dropped: int = 0
+    task_weights: dict[str, float] = field(default_factory=dict)
+    task_caps: dict[str, int] | None = None  # per-task in-flight caps; None: the global bound only
 
     def num_allowed(self, version: int) -> int:
         """How many more groups may be admitted now that the trainer is at `version`."""
@@ -25,3 +54,11 @@ class Admission:
         total = self.max_steps * self.groups_per_step
         live = self.num_admitted - self.num_dropped
         return max(0, min(bound, total) - live)
+
+    def pick_task(self, in_flight: dict[str, int], rng: random.Random) -> str | None:
+        """The task of a new group, drawn by weight among the tasks under their in-flight cap (None: all at it)."""
+        names = [name for name in self.task_weights
+                 if self.task_caps is None or in_flight.get(name, 0) < self.task_caps[name]]
+        if not names:
+            return None
+        return rng.choices(names, weights=[self.task_weights[n] for n in names])[0]

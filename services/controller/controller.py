@@ -9,7 +9,7 @@ import random
 import time
 from pathlib import Path
 
-from services.controller.admission import IN_FLIGHT, Admission
+from services.controller.admission import IN_FLIGHT, Admission, in_flight_caps
 from services.controller.progress import MetricsBook, ProgressView, plot_curves
 from services.controller.routing import route_tasks
 from services.evaluate import evaluate
@@ -33,9 +33,11 @@ class Controller:
         self.store = store
         self.run_dir = run_dir
         trainer = config.trainer
-        self.admission = Admission(trainer.groups_per_step, config.staleness.eta, trainer.max_steps)
+        self.admission = Admission(trainer.groups_per_step, config.staleness.eta, trainer.max_steps,
+                                   task_weights={t.name: t.weight for t in config.tasks},
+                                   task_caps=in_flight_caps(config) if trainer.task_quotas else None)
         self.task_names = [t.name for t in config.tasks]
-        self.task_weights = [t.weight for t in config.tasks]
+        self.task_of_group: dict[str, str] = {}  # admitted groups, for the per-task in-flight caps
         self.rng = random.Random(trainer.seed)
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
@@ -87,23 +89,44 @@ class Controller:
         num = self.admission.num_allowed(self.version)
         if num == 0:
             return
+        in_flight = await self._in_flight_by_task()
         is_sync = self.config.staleness.mode == "sync"
         events = []
-        # the counter lives in Redis so a restarted controller never reuses a group_id
-        last = await self.bus.redis.incrby(self.bus.key("num_admitted"), num)
-        for index in range(last - num + 1, last + 1):
-            task = get_task(self.rng.choices(self.task_names, weights=self.task_weights)[0])
+        for _ in range(num):
+            name = self.admission.pick_task(in_flight, self.rng)
+            if name is None:  # every task is at its in-flight cap
+                break
+            in_flight[name] = in_flight.get(name, 0) + 1
+            task = get_task(name)
             problem = task.sample(self.rng)
             events.append(GroupEvent(
-                job_id=self.config.job_id, group_id=f"g{index:07d}", task=task.name, pool=self.pool_of_task[task.name],
+                job_id=self.config.job_id, group_id="", task=task.name, pool=self.pool_of_task[task.name],
                 prompt=problem.prompt, prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
                 answer=problem.answer, group_size=self.config.trainer.group_size,
                 max_new_tokens=task.max_new_tokens, v_adm=self.version,
                 min_version=self.version if is_sync else 0))
+        if not events:
+            return
+        # the counter lives in Redis so a restarted controller never reuses a group_id
+        last = await self.bus.redis.incrby(self.bus.key("num_admitted"), len(events))
+        for index, event in enumerate(events, start=last - len(events) + 1):
+            event.group_id = f"g{index:07d}"
+            self.task_of_group[event.group_id] = event.task
         for pool in {e.pool for e in events}:
             batch = [e for e in events if e.pool == pool]
             await self.bus.publish_indexed(f"groups:{pool}", batch, IN_FLIGHT, {e.group_id: e.v_adm for e in batch})
-        self.admission.num_admitted += num
+        self.admission.num_admitted += len(events)
+
+    async def _in_flight_by_task(self) -> dict[str, int]:
+        """Admitted groups not yet trained or dropped, by task (the trainer removes them from IN_FLIGHT)."""
+        if self.admission.task_caps is None or len(self.task_names) == 1:
+            return {}
+        live = {i.decode() for i in await self.bus.redis.zrange(self.bus.key(IN_FLIGHT), 0, -1)}
+        self.task_of_group = {i: task for i, task in self.task_of_group.items() if i in live}
+        counts: dict[str, int] = {}
+        for task in self.task_of_group.values():
+            counts[task] = counts.get(task, 0) + 1
+        return counts
 
     async def _evaluate(self, version: int) -> dict[str, float]:
         directory = await self.store.fetch(version)

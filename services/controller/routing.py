@@ -12,11 +12,11 @@ PROFILE_SAMPLES = 32
 
 
 def task_profile(task_name: str, tokenizer: Tokenizer) -> str:
-    """prefill_heavy when the task's prompts are longer than its completion budget, else decode_heavy."""
+    """decode_heavy when the task's completion budget is over twice its mean prompt, else prefill_heavy."""
     task = get_task(task_name)
     rng = random.Random(0)
     mean_prompt = sum(len(tokenizer.encode(task.sample(rng).prompt)) for _ in range(PROFILE_SAMPLES)) / PROFILE_SAMPLES
-    return "prefill_heavy" if mean_prompt > task.max_new_tokens else "decode_heavy"
+    return "decode_heavy" if task.max_new_tokens > 2 * mean_prompt else "prefill_heavy"
 
 
 def route_tasks(rollout: RolloutConfig, task_names: list[str], tokenizer: Tokenizer) -> dict[str, str]:

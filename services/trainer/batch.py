@@ -13,6 +13,7 @@ from shared.events import ScoredEvent
 @dataclass(slots=True)
 class PendingGroup:
     group_id: str
+    task: str
     v_adm: int
     group_size: int
     arrival: int
@@ -47,8 +48,8 @@ class GroupBuffer:
         group = self.groups.get(traj.group_id)
         if group is None:
             self.num_arrivals += 1
-            group = self.groups[traj.group_id] = PendingGroup(traj.group_id, traj.v_adm, traj.group_size,
-                                                              self.num_arrivals)
+            group = self.groups[traj.group_id] = PendingGroup(traj.group_id, traj.task, traj.v_adm,
+                                                              traj.group_size, self.num_arrivals)
         if traj.traj_id in group.samples:
             return False
         group.samples[traj.traj_id] = (entry_id, event)
@@ -67,16 +68,25 @@ class GroupBuffer:
             del self.groups[group.group_id]
         return failed
 
-    def take_oldest(self, count: int, required: frozenset[str] = frozenset()) -> list[PendingGroup] | None:
+    def take_oldest(self, count: int, required: frozenset[str] = frozenset(),
+                    quotas: dict[str, int] | None = None) -> list[PendingGroup] | None:
         """`count` complete groups, oldest v_adm first, or None while fewer are complete or while a `required` group
-        (one that must be trained now to stay within eta_hard) is not complete."""
+        (one that must be trained now to stay within eta_hard) is not complete. With per-task `quotas`, each task
+        first gets up to its quota of its own oldest groups; what a task leaves unused goes to the oldest of the rest,
+        so a slow task never holds a step back and a fast one never crowds the others out."""
         complete = sorted((g for g in self.groups.values() if g.is_complete),
                           key=lambda g: (g.group_id not in required, g.v_adm, g.arrival))
         if len(complete) < count or not self.has_complete(required):
             return None
-        for group in complete[:count]:
+        taken = [g for g in complete if g.group_id in required][:count]
+        if quotas:
+            for task, quota in quotas.items():
+                own = [g for g in complete if g.task == task and g not in taken]
+                taken += own[:max(0, quota - sum(g.task == task for g in taken))][:count - len(taken)]
+        taken += [g for g in complete if g not in taken][:count - len(taken)]
+        for group in taken:
             del self.groups[group.group_id]
-        return complete[:count]
+        return sorted(taken, key=lambda g: (g.v_adm, g.arrival))
 
 
 @dataclass(slots=True)

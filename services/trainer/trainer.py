@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.controller.admission import IN_FLIGHT
+from services.controller.admission import IN_FLIGHT, task_quotas
 from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate
 from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
 from services.trainer.mismatch import mismatch_stats
@@ -70,6 +70,8 @@ class Trainer:
         self.consumer = consumer
         self.ledger = Ledger(bus)
         self.buffer = GroupBuffer()
+        self.task_names = [task.name for task in config.tasks]
+        self.quotas = task_quotas(config) if config.trainer.task_quotas else None
         self.version = 0
         self.stale_wait_s = 0.0  # waiting on an in-flight group that must join the step, with B groups at hand
         self.training: dict[str, PendingGroup] = {}  # the groups of the step in progress, acked once recorded
@@ -136,7 +138,7 @@ class Trainer:
         """B complete groups, oldest v_adm first; waits while an in-flight group that must join this step is not
         complete, even with B other groups at hand."""
         needed = self.config.trainer.groups_per_step
-        while (groups := self.buffer.take_oldest(needed, await self._required_groups())) is None:
+        while (groups := self.buffer.take_oldest(needed, await self._required_groups(), self.quotas)) is None:
             waited = time.perf_counter()
             is_stale_wait = self.buffer.num_complete >= needed
             await self._next_ingest()
@@ -212,7 +214,8 @@ class Trainer:
         else:
             stats = self._train_step(groups)
         trajectories = [e.trajectory for g in groups for e in g.events]
-        return stats | staleness_stats(trajectories, self.version, self.config.staleness.eta_hard)
+        per_task = {f"groups/{task}": float(sum(g.task == task for g in groups)) for task in self.task_names}
+        return stats | per_task | staleness_stats(trajectories, self.version, self.config.staleness.eta_hard)
 
     def _train_step(self, groups: list[PendingGroup]) -> dict[str, float]:
         cfg = self.config.trainer
