@@ -176,6 +176,8 @@ class Controller:
             "mismatch_coverage": coverage,
             "groups_admitted": self.admission.num_admitted,
             "groups_dropped": self.book.num_dropped,
+            "groups_trained_by_task": {
+                k.split("/", 1)[1]: int(v) for k, v in self.book.totals.items() if k.startswith("groups/")},
             "dropped_by_status": {
                 k.split("/", 1)[1]: v for k, v in self.book.totals.items() if k.startswith("dropped/")},
             "precision": self.config.precision.mode,

@@ -31,8 +31,9 @@ class MetricsBook:
                 self._count(json.loads(line))
 
     def _count(self, row: dict[str, float]) -> None:
-        for key in ("mismatch_abs_sum", "mismatch_tokens", "num_policy_tokens"):
-            self.totals[key] += row.get(key, 0.0)
+        for key, value in row.items():
+            if key in ("mismatch_abs_sum", "mismatch_tokens", "num_policy_tokens") or key.startswith("groups/"):
+                self.totals[key] += value
         self.rows.append(row)
 
     def add(self, event: MetricsEvent) -> dict[str, float] | None:

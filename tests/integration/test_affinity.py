@@ -14,7 +14,7 @@ import pytest
 import redis
 from test_staleness import TINY, build_model
 
-from services.bench.async_ import launch_job
+from services.bench.async_ import launch_job, read_ledger
 from shared.bus import FIELD
 from shared.events import GroupEvent, TrajectoryEvent, decode
 
@@ -31,9 +31,9 @@ def model_dir() -> Iterator[Path]:
         yield Path(tmp)
 
 
-def run(model_dir: Path, root: Path, redis_url: str, slow_factor: float) -> dict[str, Any]:
+def run(model_dir: Path, root: Path, redis_url: str, slow_factor: float, fail_frac: float = 0.0) -> dict[str, Any]:
     job_id = f"aff{uuid.uuid4().hex[:8]}"
-    timing = {"mean_tokens": TOKENS, "cv": 0.0, "token_time_s": TOKEN_TIME_S}
+    timing = {"mean_tokens": TOKENS, "cv": 0.0, "token_time_s": TOKEN_TIME_S, "fail_frac": fail_frac}
     tree = {
         "job_id": job_id,
         "model": {**TINY.model_dump(), "path": str(model_dir)},
@@ -65,6 +65,7 @@ def run(model_dir: Path, root: Path, redis_url: str, slow_factor: float) -> dict
         "per_s": {task: sum(r[f"groups/{task}"] for r in window) * GROUP_SIZE / window_s
                   for task in ("arithmetic", "count")},
         "groups": groups, "trajectories": trajectories, "last": rows[-1],
+        "summary": json.loads((root / "summary.json").read_text()), "job_id": job_id,
     }
 
 
@@ -88,3 +89,20 @@ def test_pools_route_by_task_and_a_slow_pool_blocks_no_one(model_dir: Path, redi
           f"{slowed['per_s']['arithmetic']:.1f} ({kept:.2f}x); count {base['per_s']['count']:.1f} -> "
           f"{slowed['per_s']['count']:.1f}")
     assert kept >= 0.8, (base["per_s"], slowed["per_s"])
+
+
+def test_failing_environments_are_all_counted(model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    """5% of environments fail (and take 10x longer): the job completes and every failed group is counted by status."""
+    result = run(model_dir, tmp_path / "fail", redis_url, slow_factor=1.0, fail_frac=0.05)
+    failed_groups = {t.group_id for t in result["trajectories"]
+                     if isinstance(t, TrajectoryEvent) and t.env_status != "ok"}
+    summary = result["summary"]
+    ledger = read_ledger(redis_url, result["job_id"])
+    dropped = {g for g, outcome in ledger.items() if outcome["status"] != "trained"}
+    assert summary["steps"] == STEPS and dropped
+    # every dropped group is counted under its status, and each one had a failed environment
+    assert {outcome["status"] for g, outcome in ledger.items() if g in dropped} == {"dropped:env_fail"}
+    assert summary["dropped_by_status"] == {"env_fail": len(dropped)} and summary["groups_dropped"] == len(dropped)
+    assert dropped <= failed_groups
+    # a failed group not in the ledger was still being scored when the job reached max_steps
+    assert len(failed_groups - dropped) <= 2, (len(failed_groups), len(dropped))
