@@ -77,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     mismatch.add_argument("--samples", type=int, default=8, help="sampled completions, scored by every mode")
     mismatch.add_argument("--threads", type=int, default=1)
     mismatch.add_argument("--model", help="an HF-format model dir instead of the random tiny model")
+    precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only per seed: "
+                                     "held-out scores and reward curves (resumable)")
+    precision.add_argument("--json", action="store_true", help="print one JSON object")
+    precision.add_argument("--seeds", type=int, default=3, help="seeds per mode")
+    precision.add_argument("--run-dir", type=Path, default=Path("runs/bench-precision"),
+                           help="finished runs here are kept and not run again")
+    precision.add_argument("--max-steps", type=int, help="override the pinned step count (smoke tests)")
+    precision.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a field of configs/precision_bench.yaml (smoke tests)")
     return parser
 
 
@@ -107,6 +116,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "precision":
+        from services.bench import precision
+
+        result = precision.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            precision.print_table(result)
+        return 0
     if args.bench == "async":
         from services.bench import async_
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from services.evaluate import evaluate
@@ -97,6 +98,7 @@ def _progress(enabled: bool) -> Progress:
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"),
         TimeElapsedColumn(),
+        console=Console(stderr=True),  # stdout stays clean for --json output
         disable=not enabled,
     )
 
