@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +95,22 @@ def test_bench_async_quick_json_smoke() -> None:
     summary = result["summary"]
     assert {"speedup_cv1_eta2", "bound_cv1_eta2", "max_lag_cv1_eta2"} <= set(summary)
     assert summary["speedup_cv1_eta2"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
+    """One step per mode on a 1-layer model built in tmp; a second call resumes from the saved runs."""
+    cmd = [sys.executable, "-m", "services.cli", "bench", "precision", "--json", "--seeds", "1", "--max-steps", "1",
+           "--run-dir", str(tmp_path / "runs"), "--set", "model.num_layers=1", "--set", "model.warm_start.steps=2",
+           "--set", f"model.cache_dir={tmp_path / 'cache'}", "--set", "eval.num_problems=1",
+           "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2"]
+    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
+    assert [(run["mode"], run["seed"]) for run in first["runs"]] == [
+        ("bf16", 0), ("fp8_unified", 0), ("fp8_rollout_only", 0)]
+    assert all(len(run["reward_curve"]) == 1 for run in first["runs"])
+    assert {"unified_minus_bf16", "bf16_std", "rollout_only_minus_bf16"} <= set(first["summary"])
+    assert (tmp_path / "runs" / "precision.png").stat().st_size > 0
+    started = time.perf_counter()
+    again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert again["runs"] == first["runs"] and time.perf_counter() - started < 60  # nothing ran again
