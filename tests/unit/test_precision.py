@@ -3,8 +3,6 @@ exact backend's kernels (batch invariance, decode = full forward, thread count).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,13 +12,7 @@ from shared.config import PrecisionConfig
 from shared.model import CausalLM, KVCache, ModelArgs, load_state
 from shared.precision import FP8_MAX, SCALE_EPS, PrecisionLinear, dequantize, fake_quant, quantize
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def one_block(*values: float) -> torch.Tensor:
