@@ -53,6 +53,19 @@ def count_reward(completion: str, answer: str) -> RewardOutput:
     return RewardOutput(reward=1.0 if correct else prefix / max(len(got), len(want)), correct=correct)
 
 
+@reward("calculator")
+def calculator_reward(completion: str, answer: str) -> RewardOutput:
+    """1.0 iff the model's final turn is exactly the integer `answer`, else 0.
+
+    The completion is the whole multi-turn transcript: tool calls, the calculator's `= <result>` observations and
+    the final answer, turns separated by newlines. The final turn is the last line once trailing newlines are
+    stripped, so an episode cut off after an observation (which starts with `=`) never scores.
+    """
+    final = completion.rstrip("\n").rpartition("\n")[2].strip()
+    correct = final == answer.strip()
+    return RewardOutput(reward=float(correct), correct=correct)
+
+
 @reward("math")
 def math_reward(completion: str, answer: str) -> RewardOutput:
     """1.0 iff math-verify finds the completion's final answer equal to `answer` (so `\\frac{1}{2}` equals `0.5`).

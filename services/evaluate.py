@@ -1,31 +1,55 @@
-"""Held-out greedy accuracy: decode each task's held-out problems at temperature 0 and count exact matches."""
+"""Held-out greedy accuracy: decode each task's held-out problems at temperature 0 and count exact matches.
+
+A multi-turn task's episodes run their environment turns too, so its held-out success rate is the real one."""
 
 from __future__ import annotations
 
+import asyncio
+
 from functions.registry import get_reward
 from services.rollout.engine import Engine, Request
+from services.rollout.turns import TurnRunner, run_episodes
+from shared.env import is_multi_turn
 from shared.model import CausalLM
-from shared.tasks import Problem, get_task
+from shared.tasks import Problem, Task, get_task
 from shared.tokenizer import Tokenizer
+
+ENV_TIMEOUT_S = 10.0
 
 
 def greedy_completions(
-    model: CausalLM, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int, max_batch: int = 256
+    model: CausalLM, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int, max_batch: int = 256,
+    task: Task | None = None,
 ) -> list[str]:
-    """Greedy (temperature 0) completions of the problems' prompts, decoded without special tokens."""
+    """Greedy (temperature 0) completions of the problems' prompts, decoded without special tokens; for a
+    multi-turn `task`, whole transcripts (model turns and the environment's observations)."""
     if not problems:
         return []
     prompts = [tokenizer.encode(p.prompt) for p in problems]
+    multi_turn = task is not None and is_multi_turn(task)
+    turn_end_id = tokenizer.encode(task.turn_end)[0] if multi_turn else None
     requests = [
-        Request(request_id=str(i), prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        Request(request_id=str(i), prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                turn_end_id=turn_end_id)
         for i, ids in enumerate(prompts)
     ]
     max_len = max(len(ids) for ids in prompts) + max_new_tokens + 1
     was_training = model.training
     engine = Engine(model, tokenizer.eos_id, max_batch=min(max_batch, len(requests)), max_len=max_len)
-    engine.generate(requests)
+    if multi_turn:
+        asyncio.run(_episodes(engine, tokenizer, task, requests, problems))
+    else:
+        engine.generate(requests)
     model.train(was_training)
     return [tokenizer.decode(r.output_ids) for r in requests]
+
+
+async def _episodes(engine: Engine, tokenizer: Tokenizer, task: Task, requests: list[Request],
+                    problems: list[Problem]) -> None:
+    runner = TurnRunner(engine, tokenizer, ENV_TIMEOUT_S)
+    for request, problem in zip(requests, problems, strict=True):
+        runner.start(request, task.make_env(), problem)
+    await run_episodes(engine, runner)
 
 
 def evaluate(
@@ -37,7 +61,7 @@ def evaluate(
         task = get_task(name)
         reward_fn = get_reward(task.reward)
         problems = task.heldout(num_problems)
-        completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch)
+        completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch, task)
         num_correct = sum(reward_fn(c, p.answer).correct for c, p in zip(completions, problems, strict=True))
         accuracy[name] = num_correct / max(len(problems), 1)
     return accuracy

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from services.evaluate import evaluate
 from shared.config import ModelConfig
+from shared.env import is_multi_turn
 from shared.model import CausalLM, ModelArgs, save_pretrained
 from shared.tasks import get_task
 from shared.tokenizer import Tokenizer, build_char_tokenizer
@@ -64,21 +65,30 @@ def init_weights(model: CausalLM) -> None:
 def sft_batch(
     tokenizer: Tokenizer, task_names: list[str], batch_size: int, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs [B, S] and targets [B, S]: targets are the completion + EOS, prompts and padding ignored."""
+    """Inputs [B, S] and targets [B, S]: targets are the completion + EOS; prompts, a multi-turn task's
+    observations (the environment writes them) and padding are ignored."""
     rows = []
     for _ in range(batch_size):
         task = get_task(rng.choice(task_names))
         problem = task.sft_sample(rng)
         prompt = tokenizer.encode(problem.prompt)
         target = tokenizer.encode(task.sft_completion(problem)) + [tokenizer.eos_id]
-        rows.append((prompt, target))
-    seq = max(len(p) + len(t) for p, t in rows) - 1
+        labels = list(target)
+        if is_multi_turn(task):
+            labels = []
+            for turn, observation in task.sft_turns(problem):
+                labels += tokenizer.encode(turn + (task.turn_end if observation else ""))
+                labels += [IGNORE_INDEX] * len(tokenizer.encode(observation))
+            labels.append(tokenizer.eos_id)
+            assert len(labels) == len(target), "sft_turns must spell out sft_completion"
+        rows.append((prompt, target, labels))
+    seq = max(len(p) + len(t) for p, t, _ in rows) - 1
     inputs = torch.full((batch_size, seq), tokenizer.pad_id, dtype=torch.long)
     targets = torch.full((batch_size, seq), IGNORE_INDEX, dtype=torch.long)
-    for i, (prompt, target) in enumerate(rows):
+    for i, (prompt, target, labels) in enumerate(rows):
         ids = prompt + target
         inputs[i, : len(ids) - 1] = torch.tensor(ids[:-1])
-        targets[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(target)
+        targets[i, len(prompt) - 1 : len(ids) - 1] = torch.tensor(labels)
     return inputs, targets
 
 

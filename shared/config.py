@@ -119,6 +119,10 @@ class RolloutConfig(Strict):
     recompute_kv_on_swap: bool = Field(True, description="recompute in-flight KV caches after a weight swap")
     compile: bool = Field(True, description="torch.compile the decode step (tens of seconds once per worker)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
+    env_timeout_s: float = Field(10.0, gt=0, description="multi-turn tasks: limit on each environment reset or "
+                                 "step attempt")
+    env_max_retries: int = Field(1, ge=0, description="multi-turn tasks: retries of a reset or step that timed out "
+                                 "or raised; still failing, the trajectory ends with that env_status (env_fail)")
 
     @model_validator(mode="after")
     def _unique_pools(self) -> RolloutConfig:

@@ -89,7 +89,8 @@ class TrajectoryEvent(Event, tag="traj"):
     top_p: float
     precision_id: str
     finish_reason: Literal["stop", "length"]
-    env_status: str = "ok"
+    env_status: str = "ok"  # multi-turn: ok, or the environment's failure (timeout, error) after its retry
+    env_reward: float | None = None  # multi-turn: the environment's own reward, if it gave one (recorded only)
     worker: str = ""
     timings: dict[str, float] = {}
 

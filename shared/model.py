@@ -184,6 +184,11 @@ class Attention(nn.Module):
                 scores = scores.masked_fill(blocked, float("-inf"))
             out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, KV, G, D]
             return self.o_proj(out.reshape(bsz, 1, -1))
+        if cache is not None and cache.start:  # append to a running sequence: attend over its cache too
+            k, v, _ = cache.update(k, v)  # [1, KV, L, D]
+            is_visible = torch.arange(k.shape[2]) <= torch.arange(cache.start, cache.start + seq)[:, None]  # [S, L]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=is_visible, enable_gqa=True)
+            return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         if cache is not None:
             cache.update(k, v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
@@ -197,6 +202,9 @@ class Attention(nn.Module):
             k, v, _ = cache.update(k, v)  # [n, KV, L, D]
             assert cache.positions is not None
             positions = cache.positions[:, None]
+        elif cache is not None and cache.start:  # append to a running sequence, over its cached positions
+            k, v, _ = cache.update(k, v)
+            positions = torch.arange(cache.start, cache.start + seq)[None, :]
         else:  # causal from position 0
             if cache is not None:
                 cache.update(k, v)
@@ -239,7 +247,8 @@ class DecoderLayer(nn.Module):
 
 
 class LayerView:
-    """Where one forward writes its K/V: slots [0, n) decoding one token each, or one slot prefilling.
+    """Where one forward writes its K/V: slots [0, n) decoding one token each, or one slot prefilling positions
+    `start`, start + 1, ... (start > 0 appends to a sequence already in the slot, e.g. an environment's observation).
 
     `rows`, `positions`, `length` and `blocked` are shared by every layer of one forward; `blocked`
     [n, 1, 1, L] marks cache positions past a sequence's own.
@@ -254,16 +263,20 @@ class LayerView:
         positions: torch.Tensor | None = None,
         length: int = 0,
         blocked: torch.Tensor | None = None,
+        start: int = 0,
     ) -> None:
-        self.k_cache, self.v_cache, self.slot = k_cache, v_cache, slot
+        self.k_cache, self.v_cache, self.slot, self.start = k_cache, v_cache, slot, start
         self.rows, self.positions, self.length, self.blocked = rows, positions, length, blocked
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """k, v: [B, S, KV, D]. Prefill returns nothing to attend over; decode returns cache views and `blocked`."""
-        if self.slot is not None:  # prefill: one sequence, positions 0..S-1
-            seq = k.shape[1]
-            self.k_cache[self.slot, :, :seq] = k[0].transpose(0, 1)
-            self.v_cache[self.slot, :, :seq] = v[0].transpose(0, 1)
+        """k, v: [B, S, KV, D]. Prefill from 0 returns k, v as given; an append and decode return cache views."""
+        if self.slot is not None:  # prefill: one sequence, positions start..start+S-1
+            end = self.start + k.shape[1]
+            self.k_cache[self.slot, :, self.start : end] = k[0].transpose(0, 1)
+            self.v_cache[self.slot, :, self.start : end] = v[0].transpose(0, 1)
+            if self.start:
+                rows = slice(self.slot, self.slot + 1)
+                return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end], None
             return k, v, None
         assert self.rows is not None and self.positions is not None
         n, length = self.rows.shape[0], self.length
@@ -308,7 +321,8 @@ class CausalLM(nn.Module):
         """Logits [B, S, V] in fp32.
 
         No cache: a causal full-sequence forward (training, scoring). With a cache and `slot`: prefill
-        one sequence [1, S] into that slot. With a cache and no slot: decode one token [n, 1] for
+        one sequence [1, S] into that slot at consecutive `positions` [S] (from 0, or appended after the
+        slot's cached positions 0..positions[0]-1). With a cache and no slot: decode one token [n, 1] for
         slots 0..n-1 at `positions` [n].
         """
         bsz, seq = input_ids.shape
@@ -321,7 +335,8 @@ class CausalLM(nn.Module):
         rope = self._rope(positions)
         views: list[LayerView | None] = [None] * len(self.model.layers)
         if cache is not None:
-            views = [LayerView(k, v, slot) for k, v in zip(cache.k, cache.v, strict=True)]
+            start = int(positions[0, 0])
+            views = [LayerView(k, v, slot, start=start) for k, v in zip(cache.k, cache.v, strict=True)]
         return self._layers(input_ids, rope, views)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, length: int) -> torch.Tensor:

@@ -2,6 +2,10 @@
 
 Running sequences always occupy slots [0, n), so a decode step attends over a view of the cache
 with no gather; a finished sequence's slot is refilled by moving the last one into it.
+
+Multi-turn: a sequence that samples its turn-end token is paused. It keeps its KV cache in a slot at the
+top of the cache (slots max_batch - 1, max_batch - 2, ...) and is not decoded until `resume` appends its
+environment's observation (prefilled after its cached positions) or `finish` ends it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ class Request:
     versions: list[int] = field(default_factory=list)  # weight version that produced each token
     finish_reason: str | None = None
     env_status: str = "ok"  # the environment's outcome; anything else makes the reward router record env_fail
+    turn_end_id: int | None = None  # multi-turn: this token ends a model turn and pauses the sequence
+    observations: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of env tokens in output_ids
+    env_reward: float | None = None  # the environment's own reward, when it gives one
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -42,6 +49,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 per sampled token, 0 per observation token."""
+        mask = [1] * len(self.output_ids)
+        for start, length in self.observations:
+            mask[start : start + length] = [0] * length
+        return mask
 
 
 class Engine:
@@ -63,6 +78,8 @@ class Engine:
         self.version = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i] lives in cache slot i
+        self.paused: list[Request] = []  # paused[j] lives in cache slot max_batch - 1 - j, awaiting its environment
+        self.resuming: dict[str, list[int]] = {}  # request_id -> observation ids, appended at the next step
         self.model.refresh_inference_weights()
         self.decode_fn = model.decode
         self.compile_s = 0.0
@@ -75,11 +92,13 @@ class Engine:
 
     @property
     def num_free_slots(self) -> int:
-        return self.max_batch - len(self.running) - len(self.waiting)
+        return self.max_batch - len(self.running) - len(self.paused) - len(self.waiting)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to prefill, append or decode; paused sequences wait on their environments, not on the engine."""
+        has_free_slot = len(self.running) + len(self.paused) < self.max_batch
+        return bool(self.running or self.resuming or (self.waiting and has_free_slot))
 
     def add(self, requests: list[Request]) -> None:
         for request in requests:
@@ -90,8 +109,11 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Prefill what waits (if slots are free), else decode one token; return requests that finished."""
-        if self.waiting and len(self.running) < self.max_batch:
+        """Append observations, else prefill what waits (if slots are free), else decode one token; return requests
+        that finished and multi-turn ones that ended a turn (finish_reason None: now paused)."""
+        if self.resuming:
+            return self._append()
+        if self.waiting and len(self.running) + len(self.paused) < self.max_batch:
             return self._prefill()
         if self.running:
             return self._decode()
@@ -110,17 +132,82 @@ class Engine:
         self.model.refresh_inference_weights()
         self.version = version
         if recompute_kv:
-            for slot, request in enumerate(self.running):
+            held = [*enumerate(self.running), *((self._paused_slot(j), r) for j, r in enumerate(self.paused))]
+            for slot, request in held:
                 ids = (request.prompt_ids + request.output_ids)[:-1]
                 self.model(torch.tensor([ids]), torch.arange(len(ids)), self.cache, slot=slot)
 
+    def resume(self, request: Request, observation_ids: list[int]) -> None:
+        """Continue a paused sequence with its environment's observation (loss_mask 0, log-prob 0, tagged with the
+        version that appends it); the next step prefills it after the sequence's cached positions."""
+        assert request in self.paused and request.request_id not in self.resuming
+        if (len(request.output_ids) + len(observation_ids) >= request.max_new_tokens
+                or request.num_tokens + len(observation_ids) >= self.max_len):
+            self.finish(request, "length")  # no room left for a model turn after the observation
+            return
+        self.resuming[request.request_id] = observation_ids
+
+    def finish(self, request: Request, reason: str = "stop") -> None:
+        """End a paused sequence (its environment is done or failed) and free its slot."""
+        self._take_paused(request)
+        request.finish_reason = request.finish_reason or reason
+
+    def _append(self) -> list[Request]:
+        """Move each resuming sequence back to the running slots and prefill its turn end and observation."""
+        finished = []
+        for request in [r for r in self.paused if r.request_id in self.resuming]:
+            observation = self.resuming.pop(request.request_id)
+            start = request.num_tokens - 1  # the turn-end token: sampled, not yet in the cache
+            slot = len(self.running)
+            self._take_paused(request, to_slot=slot)
+            self.running.append(request)
+            request.observations.append((len(request.output_ids), len(observation)))
+            request.output_ids += observation
+            request.logprobs += [0.0] * len(observation)
+            request.versions += [self.version] * len(observation)
+            ids = (request.prompt_ids + request.output_ids)[start:]
+            logits = self.model(torch.tensor([ids]), torch.arange(start, start + len(ids)), self.cache, slot=slot)
+            finished += self._sample([request], logits[:, -1], first_slot=slot)
+        return finished
+
+    def _paused_slot(self, index: int) -> int:
+        return self.max_batch - 1 - index
+
+    def _take_paused(self, request: Request, to_slot: int | None = None) -> None:
+        """Remove a paused sequence, keeping the paused ones contiguous at the top; copy its cache to `to_slot`."""
+        index, lowest = self.paused.index(request), len(self.paused) - 1
+        if index != lowest:  # swap it with the lowest paused sequence, which is the one that stays put
+            self._swap_slots(self._paused_slot(index), self._paused_slot(lowest),
+                             max(request.num_tokens, self.paused[lowest].num_tokens))
+            self.paused[index], self.paused[lowest] = self.paused[lowest], request
+        self.paused.pop()
+        if to_slot is not None and to_slot != self._paused_slot(lowest):
+            self.cache.copy_slot(self._paused_slot(lowest), to_slot, request.num_tokens)
+
+    def _pause(self, slot: int) -> None:
+        """Move running[slot] (it ended a turn) to the lowest free slot of the paused region, KV cache and all."""
+        request, last = self.running[slot], len(self.running) - 1
+        if slot != last:  # swap it with the last running sequence: the paused region may start at `last`
+            self._swap_slots(slot, last, max(request.num_tokens, self.running[last].num_tokens))
+            self.running[slot], self.running[last] = self.running[last], request
+        self.running.pop()
+        top = self._paused_slot(len(self.paused))
+        if top != last:
+            self.cache.copy_slot(last, top, request.num_tokens)
+        self.paused.append(request)
+
+    def _swap_slots(self, a: int, b: int, length: int) -> None:
+        for k, v in zip(self.cache.k, self.cache.v, strict=True):
+            k[[a, b], :, :length] = k[[b, a], :, :length]
+            v[[a, b], :, :length] = v[[b, a], :, :length]
+
     def _prefill(self) -> list[Request]:
         finished = []
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) + len(self.paused) < self.max_batch:
             first = self.waiting.popleft()
             batch = [first]
             # samples of one group share a prompt: prefill once, copy the cache to the siblings' slots
-            while (self.waiting and len(self.running) + len(batch) < self.max_batch
+            while (self.waiting and len(self.running) + len(self.paused) + len(batch) < self.max_batch
                    and self.waiting[0].prompt_ids == first.prompt_ids):
                 batch.append(self.waiting.popleft())
             slot = len(self.running)
@@ -154,7 +241,7 @@ class Engine:
         logprobs = exact.log_softmax(logits) if self.is_exact else torch.log_softmax(logits, dim=-1)
         tokens = self._choose(batch, logprobs)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        done = []
+        done, turned = [], []
         version = self.version
         for request, token, logprob in zip(batch, tokens.tolist(), chosen, strict=True):
             request.output_ids.append(token)
@@ -164,11 +251,15 @@ class Engine:
                 request.finish_reason = "stop"
             elif len(request.output_ids) >= request.max_new_tokens or request.num_tokens >= self.max_len:
                 request.finish_reason = "length"
+            elif token == request.turn_end_id:
+                turned.append(request)
             if request.finish_reason:
                 done.append(request)
         for request in done:
             self._release(self.running.index(request, first_slot))
-        return done
+        for request in turned:
+            self._pause(self.running.index(request, first_slot))
+        return done + turned
 
     def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
         probs = logprobs.exp()

@@ -64,6 +64,7 @@ class TimingEngine:
         self.chunk_s = config.chunk_tokens * config.token_time_s
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.paused: list[Request] = []  # the engine's multi-turn seam; the timing model has no environments
         self.draws: dict[str, Draw] = {}
         self.finished: list[Request] = []
         self.clock = time.monotonic()  # the last chunk boundary

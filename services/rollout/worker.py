@@ -1,4 +1,8 @@
-"""Rollout worker: Group work items in, one Trajectory event per finished sample out, weights hot-swapped."""
+"""Rollout worker: Group work items in, one Trajectory event per finished sample out, weights hot-swapped.
+
+Multi-turn tasks run their environments beside the engine (services/rollout/turns.py): a sequence waiting on its
+environment is paused in its slot while the others decode, and environment results are applied between steps.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,12 +20,15 @@ from safetensors.torch import load_file
 from services.controller.admission import IN_FLIGHT
 from services.rollout.engine import Engine, Request
 from services.rollout.timing_engine import TimingEngine
+from services.rollout.turns import TurnRunner
 from shared.bus import RedisBus
 from shared.config import JobConfig
+from shared.env import is_multi_turn
 from shared.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
 from shared.model import load_pretrained
 from shared.store import WeightStore, WeightStoreError
-from shared.tokenizer import load_tokenizer
+from shared.tasks import Problem, get_task
+from shared.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("jetroll.rollout")
 
@@ -47,6 +55,9 @@ class RolloutWorker:
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine: Engine | TimingEngine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.turns: TurnRunner | None = None  # multi-turn environments (the real engine only)
+        self.env_failures: Counter[str] = Counter()  # env_status -> trajectories that ended with it
         self.num_tokens = 0
         self.num_trajectories = 0
         self.busy_s = 0.0
@@ -62,11 +73,17 @@ class RolloutWorker:
         self.engine.version = version
         self.serving_since = self.ticked_at = time.monotonic()
         log.info("%s serving version %d (decode compile %.1f s)", self.consumer, version, self.engine.compile_s)
+        if isinstance(self.engine, Engine):
+            assert self.tokenizer is not None
+            rollout = self.config.rollout
+            self.turns = TurnRunner(self.engine, self.tokenizer, rollout.env_timeout_s, rollout.env_max_retries)
         watcher = asyncio.create_task(self._watch_weights())
         try:
             await self._loop()
         finally:
             watcher.cancel()
+            if self.turns is not None:
+                await self.turns.close()
 
     def _setup_engine(self, directory: Path) -> Engine | TimingEngine:
         rollout = self.config.rollout
@@ -76,6 +93,7 @@ class RolloutWorker:
             return TimingEngine(self.pool.timing or rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, max_batch,
                                 rollout.max_seq_len)
         model, tokenizer = load_pretrained(directory, self.config.precision)
+        self.tokenizer = tokenizer
         return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,
                       seed=hash(self.consumer) % (1 << 31), compile=rollout.compile)
 
@@ -123,10 +141,14 @@ class RolloutWorker:
                                             [g.entry_id for g in self.groups.values()])
                 claims_kept_at = time.monotonic()
             await self._swap_pending()
-            if engine.num_free_slots > 0:  # a free slot pulls a whole group; its other samples wait in the engine
-                num_groups = math.ceil(engine.num_free_slots / self.config.trainer.group_size)
+            if self.turns is not None and (ended := self.turns.apply()):  # environment results, at a token boundary
+                await self._emit(ended)
+            num_env_pending = self.turns.num_pending if self.turns is not None else 0
+            num_free = engine.num_free_slots - (self.turns.num_resetting if self.turns is not None else 0)
+            if num_free > 0:  # a free slot pulls a whole group; its other samples wait in the engine
+                num_groups = math.ceil(num_free / self.config.trainer.group_size)
                 deliveries = await self.bus.consume(self.stream, "rollout", self.consumer, count=num_groups,
-                                                    block_ms=0 if engine.has_work else 200)
+                                                    block_ms=0 if engine.has_work or num_env_pending else 200)
                 for delivery in deliveries:
                     assert isinstance(delivery.event, GroupEvent)
                     await self._start(delivery.event, delivery.entry_id)
@@ -135,12 +157,17 @@ class RolloutWorker:
                     await self.bus.redis.zadd(self.bus.key(IN_FLIGHT), {d.event.group_id: engine.version
                                                                         for d in deliveries}, xx=True, lt=True)
             if not engine.has_work:
+                if num_env_pending:
+                    assert self.turns is not None
+                    await self.turns.wait(0.2)
                 continue
             self._tick()
             started = time.perf_counter()
             finished = await asyncio.to_thread(engine.step)
             self.busy_s += time.perf_counter() - started
             self._tick()
+            if self.turns is not None:
+                finished = self.turns.on_step(finished)  # ended turns go to their environments
             if finished:
                 await self._emit(finished)
 
@@ -150,7 +177,8 @@ class RolloutWorker:
         now = time.monotonic()
         self.busy_slot_s += (now - self.ticked_at) * self.num_occupied
         self.ticked_at = now
-        self.num_occupied = min(len(self.engine.running) + len(self.engine.waiting), self.engine.max_batch)
+        engine = self.engine
+        self.num_occupied = min(len(engine.running) + len(engine.paused) + len(engine.waiting), engine.max_batch)
 
     async def _swap_pending(self) -> None:
         """Swap in weights loaded in the background; called only at a token boundary."""
@@ -174,11 +202,17 @@ class RolloutWorker:
         prompt_ids = group.prompt_ids.numpy().tolist()
         max_new = min(group.max_new_tokens, self.engine.max_len - len(prompt_ids))
         self.groups[group.group_id] = InFlightGroup(group, entry_id, group.group_size)
-        self.engine.add([
-            Request(f"{group.group_id}:{i}", prompt_ids, max_new, self.config.rollout.temperature,
-                    self.config.rollout.top_p)
-            for i in range(group.group_size)
-        ])
+        task = get_task(group.task)
+        is_episode = self.turns is not None and is_multi_turn(task)
+        turn_end_id = self.tokenizer.encode(task.turn_end)[0] if is_episode and self.tokenizer else None
+        requests = [Request(f"{group.group_id}:{i}", prompt_ids, max_new, self.config.rollout.temperature,
+                            self.config.rollout.top_p, turn_end_id=turn_end_id) for i in range(group.group_size)]
+        if not is_episode:
+            self.engine.add(requests)
+            return
+        assert self.turns is not None
+        for request in requests:  # each joins the engine once its environment has reset
+            self.turns.start(request, task.make_env(), Problem(group.prompt, group.answer))
 
     async def _emit(self, finished: list[Request]) -> None:
         await self.bus.wait_for_capacity("traj:raw", REWARD_GROUP, self.config.redis.max_lag)
@@ -188,6 +222,8 @@ class RolloutWorker:
             flight = self.groups[group_id]
             events.append(self._trajectory(flight.event, int(sample), request))
             self.num_tokens += len(request.output_ids)
+            if request.env_status != "ok":
+                self.env_failures[request.env_status] += 1
             flight.num_pending -= 1
             if flight.num_pending == 0:
                 done_groups.append(self.groups.pop(group_id))
@@ -199,6 +235,7 @@ class RolloutWorker:
             await self._metrics({"tokens_per_s": self.num_tokens / max(self.busy_s, 1e-9),
                                  "num_tokens": self.num_tokens, "num_trajectories": self.num_trajectories,
                                  "busy_slot_s": self.busy_slot_s,
+                                 **{f"env_fail/{status}": n for status, n in self.env_failures.items()},
                                  "slot_s": (time.monotonic() - self.serving_since) * self.engine.max_batch})
 
     def _trajectory(self, group: GroupEvent, sample: int, request: Request) -> TrajectoryEvent:
@@ -207,7 +244,7 @@ class RolloutWorker:
             task=group.task, pool=group.pool, prompt=group.prompt, answer=group.answer,
             prompt_ids=group.prompt_ids,
             completion_ids=Array.of(request.output_ids, "<i4"),
-            loss_mask=Array.of([1] * len(request.output_ids), "<u1"),
+            loss_mask=Array.of(request.loss_mask, "<u1"),
             behavior_logprobs=Array.of(request.logprobs, "<f4"),
             v_tok=Array.of(request.versions, "<i4"),
             v_adm=group.v_adm, group_size=group.group_size,
@@ -215,6 +252,7 @@ class RolloutWorker:
             precision_id=self.config.precision.precision_id,
             finish_reason="stop" if request.finish_reason == "stop" else "length",
             env_status=request.env_status,
+            env_reward=request.env_reward,
             worker=self.consumer,
             timings={"finished_at": time.time()},
         )

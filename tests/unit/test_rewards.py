@@ -11,6 +11,7 @@ import pytest
 from functions.registry import REWARDS, RewardOutput, get_reward, reward
 from functions.rewards import (
     arithmetic_reward,
+    calculator_reward,
     count_reward,
     exact_match_reward,
     format_reward,
@@ -52,6 +53,17 @@ def test_count() -> None:
     assert count_reward("140  143 146 149", answer) == RewardOutput(1 / 5, False)  # "" item breaks it
     assert count_reward("zzz", answer) == RewardOutput(0.0, False)
     assert count_reward("", answer) == RewardOutput(0.0, False)
+
+
+def test_calculator_scores_the_final_turn_only() -> None:
+    assert calculator_reward("call 347*829\n= 287663\n287663", "287663") == RewardOutput(1.0, True)
+    assert calculator_reward("287663", "287663") == RewardOutput(1.0, True)  # no tool, right anyway
+    assert calculator_reward("287663\n", "287663") == RewardOutput(1.0, True)  # a final turn ended by the turn end
+    assert calculator_reward("call 347*829\n= 287663\n", "287663") == RewardOutput(0.0, False)  # cut off
+    assert calculator_reward("call 347*829\n= 287663\n287662", "287663") == RewardOutput(0.0, False)
+    assert calculator_reward("287663\ncall 1*2\n= 2\n2", "287663") == RewardOutput(0.0, False)
+    for garbage in GARBAGE:
+        assert calculator_reward(garbage, "287663") == RewardOutput(0.0, False)
 
 
 def test_registry() -> None:

@@ -13,7 +13,7 @@ from shared.tasks import TASKS, ArithmeticTask, CountTask, Problem, Task, get_ta
 VOCAB = set("0123456789+-=*/:;,.?!()[] \n" + string.ascii_lowercase)
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "count"])
+@pytest.mark.parametrize("name", ["arithmetic", "count", "calculator"])
 def test_heldout_disjoint_from_training(name: str) -> None:
     task = get_task(name)
     heldout = task.heldout(200)
@@ -67,8 +67,30 @@ def test_count_answers_are_long_and_right() -> None:
 
 
 def test_registry_errors() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'nope'; valid: \['arithmetic', 'count'"):
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; valid: \['arithmetic', 'calculator', 'count'"):
         get_task("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_task(ArithmeticTask(max_new_tokens=9))
     assert register_task(ArithmeticTask()) is not None  # re-registering the same task is harmless
+
+
+def test_calculator_transcripts_use_the_tool_part_of_the_time() -> None:
+    task = get_task("calculator")
+    reward = REWARDS[task.reward]
+    rng = random.Random(3)
+    problems = [task.sample(rng) for _ in range(2000)]
+    num_tool = {True: 0, False: 0}
+    for p in problems:
+        a, b = (int(x) for x in p.prompt.removesuffix("=").split("*"))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and p.answer == str(a * b)
+        completion = task.sft_completion(p)
+        assert set(p.prompt + completion) <= VOCAB and len(completion) + 1 <= task.max_new_tokens
+        assert reward(completion, p.answer).correct
+        turns = task.sft_turns(p)
+        assert completion == "".join(t + (task.turn_end + o if o else "") for t, o in turns) and turns[-1][1] == ""
+        if len(turns) == 2:
+            assert turns[0] == (f"call {a}*{b}", f"= {a * b}\n")
+        num_tool[a < task.low_below] += len(turns) == 2
+    num_low = sum(int(p.prompt.split("*")[0]) < task.low_below for p in problems)
+    assert abs(num_tool[True] / num_low - task.tool_rate_low) < 0.06
+    assert abs(num_tool[False] / (len(problems) - num_low) - task.tool_rate) < 0.04

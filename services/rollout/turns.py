@@ -1,0 +1,153 @@
+"""Multi-turn episodes beside the engine (the environment API is `shared/env.py`).
+
+Each multi-turn sequence has its own environment: reset before its prompt is prefilled, stepped on every model
+turn (and on the final one, which ends with EOS). Every call is an asyncio task under `timeout_s` with
+`max_retries` retries, so the engine keeps decoding the other sequences while one waits; the waiting sequence
+holds its slot, paused. Results reach the engine only through `apply`, at a token boundary between engine steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from services.rollout.engine import Engine, Request
+from shared.env import Environment, EnvOutcome, EnvStep, call_env
+from shared.tasks import Problem
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger("jetroll.rollout")
+
+
+@dataclass(slots=True)
+class Episode:
+    request: Request
+    env: Environment
+    turn_start: int = 0  # where the current model turn starts in request.output_ids
+    is_started: bool = False  # reset succeeded and the request went to the engine
+
+
+class TurnRunner:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, timeout_s: float, max_retries: int = 1) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.episodes: dict[str, Episode] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.ready: list[tuple[Episode, str, EnvOutcome]] = []  # (episode, "reset" | "step", outcome)
+        self.wakeup = asyncio.Event()
+
+    @property
+    def num_pending(self) -> int:
+        """Environment calls in flight or finished but not yet applied."""
+        return len(self.tasks) + len(self.ready)
+
+    @property
+    def num_resetting(self) -> int:
+        """Episodes whose request is not in the engine yet: they will need a slot."""
+        return sum(not e.is_started for e in self.episodes.values())
+
+    def start(self, request: Request, env: Environment, problem: Problem) -> None:
+        """Reset a new episode; its request joins the engine once the reset succeeds."""
+        assert request.turn_end_id is not None, "a multi-turn request needs its turn-end token"
+        episode = self.episodes[request.request_id] = Episode(request, env)
+        self._spawn(episode, "reset", lambda: env.reset(problem))
+
+    def on_step(self, requests: list[Request]) -> list[Request]:
+        """Route what `engine.step` returned: an episode's turn goes to its environment; returns the requests that
+        are done now (single-turn ones, and episodes cut off by the length limit)."""
+        done = []
+        for request in requests:
+            episode = self.episodes.get(request.request_id)
+            if episode is None:
+                done.append(request)
+            elif request.finish_reason == "length":
+                del self.episodes[request.request_id]
+                done.append(request)
+            else:
+                turn_ids = request.output_ids[episode.turn_start :]
+                turn = self.tokenizer.decode(turn_ids).removesuffix(self.tokenizer.decode([request.turn_end_id]))
+                self._spawn(episode, "step", lambda env=episode.env, turn=turn: env.step(turn))
+        return done
+
+    def apply(self) -> list[Request]:
+        """Hand finished environment calls to the engine (call only between engine steps); returns the requests
+        whose episodes ended."""
+        ended = []
+        ready, self.ready = self.ready, []
+        self.wakeup.clear()
+        for episode, kind, outcome in ready:
+            request = episode.request
+            observation_ids = None
+            if outcome.status == "ok" and kind == "step":
+                observation_ids, outcome = self._observation(request, outcome)
+            if outcome.status != "ok":
+                log.warning("environment %s of %s failed after %d attempts: %s", kind, request.request_id,
+                            outcome.attempts, outcome.error)
+                request.env_status = outcome.status
+            elif kind == "reset":
+                episode.is_started = True
+                self.engine.add([request])
+                continue
+            if observation_ids is not None and request.finish_reason is None:
+                episode.turn_start = len(request.output_ids) + len(observation_ids)
+                self.engine.resume(request, observation_ids)
+                if request.finish_reason is None:
+                    continue
+            if request in self.engine.paused:
+                self.engine.finish(request)
+            request.finish_reason = request.finish_reason or "stop"  # a reset that failed
+            del self.episodes[request.request_id]
+            ended.append(request)
+        return ended
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until an environment call finishes (or `timeout_s`)."""
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def _observation(self, request: Request, outcome: EnvOutcome) -> tuple[list[int] | None, EnvOutcome]:
+        """(observation ids, or None when the episode is done; the outcome, `error` for a malformed step)."""
+        step = outcome.value
+        if not isinstance(step, EnvStep):
+            return None, EnvOutcome("error", None, outcome.attempts, f"step returned {type(step).__name__}")
+        if step.reward is not None:
+            request.env_reward = step.reward
+        try:
+            return (None if step.done else self.tokenizer.encode(step.observation)), outcome
+        except Exception as exc:  # text the vocabulary cannot spell is the environment's fault
+            return None, EnvOutcome("error", None, outcome.attempts, f"observation {step.observation!r}: {exc}")
+
+    def _spawn(self, episode: Episode, kind: str, call: Callable[[], Awaitable[object]]) -> None:
+        async def run() -> None:
+            outcome = await call_env(call, self.timeout_s, self.max_retries)
+            self.ready.append((episode, kind, outcome))
+            self.wakeup.set()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+async def run_episodes(engine: Engine, runner: TurnRunner) -> list[Request]:
+    """Drive the engine and the environments until both are idle (evaluation, tests); returns requests as they
+    finish. Engine steps run on the event loop, which serves the environments between steps."""
+    finished = []
+    while engine.has_work or runner.num_pending:
+        finished += runner.apply()
+        if engine.has_work:
+            finished += runner.on_step(engine.step())
+            await asyncio.sleep(0)
+        elif runner.num_pending and not runner.ready:
+            await runner.wait(1.0)
+    return finished

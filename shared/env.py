@@ -1,0 +1,121 @@
+"""Multi-turn environments: the async API a task's episodes run against, and the built-in calculator tool.
+
+An episode: `reset(problem)` once, then `step(turn)` on every model turn (the text the model wrote since the last
+observation, without the turn-end character). A step returns the observation to append to the trajectory (those
+tokens get loss_mask 0), whether the episode is done, and optionally the environment's own reward. The task's
+reward function still scores the whole transcript; the environment's reward is recorded beside it.
+
+Every reset and step runs under a timeout with `max_retries` retries (one by default), so a step must be safe to
+repeat on the same state. What still fails is the trajectory's `env_status` (`timeout` or `error`): the reward
+router records `env_fail` and the trainer drops the group, counted by status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from shared.tasks import Problem, Task
+
+EnvStatus = Literal["ok", "timeout", "error"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvStep:
+    """What one step returns. `observation` ends with the task's turn end unless it is empty; it is ignored when
+    `done` (no model turn follows it)."""
+
+    observation: str = ""
+    done: bool = False
+    reward: float | None = None  # the environment's own reward, usually only on the final step
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's state. Methods are coroutines: an environment that computes must offload (asyncio.to_thread),
+    so the rollout worker's loop keeps decoding the other sequences while it waits."""
+
+    async def reset(self, problem: Problem) -> None:
+        """Start an episode on a task's problem (the prompt is the problem's)."""
+        ...
+
+    async def step(self, turn: str) -> EnvStep:
+        """React to one model turn."""
+        ...
+
+
+@runtime_checkable
+class MultiTurnTask(Protocol):
+    """A task whose episodes alternate model turns and environment observations."""
+
+    turn_end: str  # one vocabulary character: a model turn ends with it (or with EOS, the final turn)
+
+    def make_env(self) -> Environment:
+        """A fresh environment for one episode."""
+        ...
+
+    def sft_turns(self, problem: Problem) -> list[tuple[str, str]]:
+        """The supervised warm start's transcript: (model turn, observation) pairs; the last observation is ""."""
+        ...
+
+
+def is_multi_turn(task: Task) -> bool:
+    return isinstance(task, MultiTurnTask)
+
+
+@dataclass(frozen=True, slots=True)
+class EnvOutcome:
+    """A reset or step after its retries: the value when `status` is ok, else None."""
+
+    status: EnvStatus
+    value: object = None
+    attempts: int = 1
+    error: str = ""
+
+
+async def call_env(call: Callable[[], Awaitable[T]], timeout_s: float, max_retries: int = 1) -> EnvOutcome:
+    """`call()` under a per-attempt timeout, retried `max_retries` times on a timeout or an exception."""
+    status: EnvStatus = "ok"
+    error = ""
+    for attempt in range(1, max_retries + 2):
+        try:
+            return EnvOutcome("ok", await asyncio.wait_for(call(), timeout_s), attempt)
+        except TimeoutError:
+            status, error = "timeout", f"no answer within {timeout_s} s"
+        except Exception as exc:  # an environment's failure is a status on its trajectory, never a lost worker
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+    return EnvOutcome(status, None, max_retries + 1, error)
+
+
+_CALL = re.compile(r"call (\d{1,4})([*+-])(\d{1,4})")
+
+
+class CalculatorEnv:
+    """The calculator tool: a turn `call <a><op><b>` (op one of * + -, operands up to 4 digits) is answered with
+    the observation `= <result>` and the turn end; any other turn is the final answer and ends the episode, as
+    does a turn after `max_calls` calls. The final step's reward is 1.0 iff it states the problem's answer."""
+
+    def __init__(self, turn_end: str = "\n", max_calls: int = 2) -> None:
+        self.turn_end = turn_end
+        self.max_calls = max_calls
+        self.answer: str | None = None
+        self.num_calls = 0
+
+    async def reset(self, problem: Problem) -> None:
+        self.answer = problem.answer
+        self.num_calls = 0
+
+    async def step(self, turn: str) -> EnvStep:
+        assert self.answer is not None, "step before reset"
+        call = _CALL.fullmatch(turn.strip())
+        if call is None or self.num_calls >= self.max_calls:
+            return EnvStep(done=True, reward=float(turn.strip() == self.answer))
+        self.num_calls += 1
+        a, op, b = int(call[1]), call[2], int(call[3])
+        result = a * b if op == "*" else a + b if op == "+" else a - b
+        return EnvStep(observation=f"= {result}{self.turn_end}")
