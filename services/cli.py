@@ -1,4 +1,5 @@
-"""The `jetroll` command: one subcommand per service, plus run, init-model and bench. Heavy imports are late."""
+"""The `jetroll` command: one subcommand per service, plus run, submit, status, init-model and bench. Heavy imports
+are late."""
 
 from __future__ import annotations
 
@@ -6,17 +7,22 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
+import socket
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from shared.config import ConfigError, JobConfig, load_config, validate_config
 
 SERVICES = ("controller", "rollout", "reward", "trainer")
 
 
-def _config_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
-    parser.add_argument("config", nargs=None if required else "?", help="job config YAML (configs/*.yaml)")
+def _config_args(parser: argparse.ArgumentParser, required: bool = False,
+                 what: str = "job config YAML (configs/*.yaml)") -> None:
+    parser.add_argument("config", nargs=None if required else "?", help=what)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config field, e.g. --set trainer.lr=1e-4 (repeatable)")
 
@@ -26,21 +32,59 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a whole job locally: private redis-server + every service as a process")
-    _config_args(run, required=True)
+    _config_args(run, required=True, what="job config YAML (configs/*.yaml), or an s3://bucket/key job (JSON or YAML)")
     run.add_argument("--max-steps", type=int, help="override trainer.max_steps")
     run.add_argument("--run-dir", type=Path, help="where metrics, summary and the weight store go (runs/<job_id>)")
     run.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
+    run.add_argument("--launcher", choices=("local", "ray"), default="local", help="local: services as processes "
+                     "(default); ray: rollout pools as Ray Serve deployments, trainer and reward router as actors")
+    run.add_argument("--ray-address", help="--launcher ray: join this Ray cluster (needs --redis-url or redis.url); "
+                     "default: start a local one")
+    run.add_argument("--ray-num-cpus", type=int, help="--launcher ray: CPUs of the local Ray cluster (default: all)")
 
     init = sub.add_parser("init-model", help="build (or find in the cache) the tiny warm-started base model")
     _config_args(init)
     init.add_argument("--force", action="store_true", help="rebuild even if cached")
 
+    redis_url = os.environ.get("JETROLL_REDIS_URL")
+    submit = sub.add_parser("submit", help="validate a job config and queue it for `jetroll controller --watch` "
+                            "(Redis), or put it under an S3 jobs/ prefix (the AWS trigger); prints the job_id")
+    _config_args(submit, required=True)
+    submit.add_argument("--to", choices=("redis", "s3"), default="redis", help="where the job goes (default redis)")
+    submit.add_argument("--redis-url", default=redis_url, help="--to redis: the stack's Redis (env JETROLL_REDIS_URL)")
+    submit.add_argument("--jobs-uri", default=os.environ.get("JETROLL_JOBS_URI"), help="--to s3: s3://bucket/jobs/ "
+                        "(env JETROLL_JOBS_URI); the job lands at <jobs-uri>/<job_id>.json")
+    submit.add_argument("--endpoint-url", help="--to s3: an S3-compatible endpoint (default: AWS_ENDPOINT_URL, "
+                        "else AWS)")
+
+    status = sub.add_parser("status", help="submitted jobs: queued, running, done (with accuracy) or failed (why)")
+    status.add_argument("job_id", nargs="?", help="one job (default: all)")
+    status.add_argument("--redis-url", default=redis_url, help="the stack's Redis (env JETROLL_REDIS_URL)")
+    status.add_argument("--json", action="store_true", help="print JSON: the job's record, or job_id -> record")
+
+    celery = sub.add_parser("celery-worker", help="a Celery reward worker (reward.backend celery) on the job's Redis")
+    _config_args(celery)
+    celery.add_argument("--redis-url", default=redis_url, help="the broker unless reward.celery_broker_url is set "
+                        "(env JETROLL_REDIS_URL)")
+    celery.add_argument("--node", help="worker node name (default jetroll@<hostname>)")
+
     for name in SERVICES:
-        svc = sub.add_parser(name, help=f"run the {name} service (the launcher starts these)")
-        svc.add_argument("--config", type=Path, required=True, help="resolved job config JSON from the launcher")
-        svc.add_argument("--redis-url", required=True)
-        svc.add_argument("--consumer", default=name, help="consumer name in the stream's consumer group")
-        svc.add_argument("--run-dir", type=Path, required=True)
+        svc = sub.add_parser(name, help=f"run the {name} service (the launcher starts these; --watch: event-triggered "
+                             "jobs)")
+        source = svc.add_mutually_exclusive_group(required=True)
+        source.add_argument("--config", type=Path, help="resolved job config JSON from the launcher")
+        source.add_argument("--watch", action="store_true", help="serve the jobs that `jetroll submit` queues, one "
+                            "after another" + (" (runs each)" if name == "controller" else " (joins each while it "
+                                               "runs)"))
+        svc.add_argument("--redis-url", default=redis_url, help="env JETROLL_REDIS_URL")
+        svc.add_argument("--consumer", help="consumer name in the stream's consumer group (default: the service "
+                         "name; --watch: " + ("controller" if name == "controller" else f"{name}-<hostname>-<pid>")
+                         + ")")
+        svc.add_argument("--run-dir", type=Path, help="with --config: the job's run dir")
+        svc.add_argument("--runs-dir", type=Path, default=Path("runs"), help="--watch: each job's run dir is "
+                         "RUNS_DIR/<job_id> (default runs)")
+        svc.add_argument("--heartbeat-file", type=Path, default=os.environ.get("JETROLL_HEARTBEAT_FILE"),
+                         help="touch this file every few seconds (container healthchecks; env JETROLL_HEARTBEAT_FILE)")
         if name == "rollout":
             svc.add_argument("--pool", help="the rollout pool to serve (default: the first in rollout.pools)")
 
@@ -90,17 +134,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every client
     try:
         if args.command == "run":
+            from services.jobs import load_job_config
             from services.launcher import run_job
 
-            config = load_config(args.config, args.overrides)
+            config = load_job_config(args.config, args.overrides)
             if args.max_steps is not None:
                 config = validate_config({**config.model_dump(), "trainer": {
                     **config.trainer.model_dump(), "max_steps": args.max_steps}})
+            if args.launcher == "ray":
+                from services.ray_launcher import run_ray_job
+
+                return run_ray_job(config, run_dir=args.run_dir, redis_url=args.redis_url,
+                                   ray_address=args.ray_address, num_cpus=args.ray_num_cpus)
             return run_job(config, run_dir=args.run_dir, redis_url=args.redis_url)
         if args.command == "init-model":
             from services.init_model import main as init_main
@@ -109,10 +161,78 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return _bench(args)
-        return _serve(args)
+        if args.command == "submit":
+            return _submit(parser, args)
+        if args.command == "status":
+            return _status(parser, args)
+        if args.command == "celery-worker":
+            return _celery_worker(parser, args)
+        return _serve(parser, args)
     except ConfigError as exc:
         print(f"jetroll: {exc}", file=sys.stderr)
         return 2
+
+
+def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from services import jobs
+
+    if args.to == "redis" and not args.redis_url:
+        parser.error("submit --to redis needs --redis-url (or JETROLL_REDIS_URL)")
+    if args.to == "s3" and not args.jobs_uri:
+        parser.error("submit --to s3 needs --jobs-uri s3://bucket/jobs/ (or JETROLL_JOBS_URI)")
+    config = load_config(args.config, args.overrides)
+    jobs.check_job_id(config.job_id)
+    try:
+        if args.to == "redis":
+            asyncio.run(jobs.submit_to_redis(config, args.redis_url))
+            where = f"queued on {jobs.JOBS}"
+        else:
+            where = f"put at {jobs.submit_to_s3(config, args.jobs_uri, args.endpoint_url)}"
+    except Exception as exc:  # one line, not a traceback: the server is down, the bucket missing, no credentials
+        print(f"jetroll: cannot submit job {config.job_id}: {type(exc).__name__}: {exc}".splitlines()[0],
+              file=sys.stderr)
+        return 1
+    print(f"jetroll: job {config.job_id} {where}", file=sys.stderr)
+    print(config.job_id)
+    return 0
+
+
+def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from services.jobs import JobBoard, connect, format_status
+
+    if not args.redis_url:
+        parser.error("status needs --redis-url (or JETROLL_REDIS_URL)")
+
+    async def read() -> dict[str, dict]:
+        client = connect(args.redis_url)
+        try:
+            return await JobBoard(client).all()
+        finally:
+            await client.aclose()
+
+    records = asyncio.run(read())
+    if args.job_id is not None:
+        if args.job_id not in records:
+            print(f"jetroll: no job {args.job_id!r}", file=sys.stderr)
+            return 1
+        records = {args.job_id: records[args.job_id]}
+    if args.json:
+        print(json.dumps(records[args.job_id] if args.job_id else records, indent=2))
+    else:
+        print(format_status(records))
+    return 0
+
+
+def _celery_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Replace this process with the Celery worker the local launcher would start for the job's reward config."""
+    from services.reward.celery_worker import worker_command, worker_env
+
+    reward = load_config(args.config, args.overrides).reward
+    broker_url = reward.celery_broker_url or args.redis_url
+    if not broker_url:
+        parser.error("celery-worker needs --redis-url (or JETROLL_REDIS_URL, or reward.celery_broker_url)")
+    cmd = worker_command(reward, node=args.node or f"jetroll@{socket.gethostname()}")
+    os.execvpe(cmd[0], cmd, {**os.environ, **worker_env(reward, broker_url)})
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -178,19 +298,59 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    config = validate_config(json.loads(args.config.read_text()))
-    threads = {"rollout": config.rollout.threads, "reward": config.reward.threads,
-               "trainer": config.trainer.threads, "controller": 1}[args.command]
-    import torch
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not args.redis_url:
+        parser.error(f"{args.command} needs --redis-url (or JETROLL_REDIS_URL)")
+    if args.watch:
+        if args.run_dir is not None:
+            parser.error("--run-dir goes with --config; with --watch each job runs in --runs-dir/<job_id>")
+        main = _watch(args)
+    else:
+        if args.run_dir is None:
+            parser.error("--config needs --run-dir")
+        config = validate_config(json.loads(args.config.read_text()))
+        threads = {"rollout": config.rollout.threads, "reward": config.reward.threads,
+                   "trainer": config.trainer.threads, "controller": 1}[args.command]
+        import torch
 
-    torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
+        main = _service_main(args.command, config, args.redis_url, args.consumer or args.command, args.run_dir,
+                             getattr(args, "pool", None))
     try:
-        asyncio.run(_service_main(args.command, config, args.redis_url, args.consumer, args.run_dir,
-                                  getattr(args, "pool", None)))
+        asyncio.run(_until_sigterm(main, args.heartbeat_file))
     except asyncio.CancelledError:
         return 143
     return 0
+
+
+async def _until_sigterm(main: Coroutine[Any, Any, object], heartbeat_file: Path | None) -> None:
+    """Run `main` in this task, which SIGTERM cancels (a clean stop); touch the heartbeat file meanwhile."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    beat = None
+    if heartbeat_file is not None:
+        from services.watch import heartbeat
+
+        beat = asyncio.create_task(heartbeat(heartbeat_file))
+    try:
+        await main
+    finally:
+        if beat is not None:
+            beat.cancel()
+
+
+async def _watch(args: argparse.Namespace) -> None:
+    """Each job's service runs as `jetroll <service> --config ...` in a process of its own (services/watch.py)."""
+    from services import watch
+
+    pool = getattr(args, "pool", None)
+    argv = watch.service_argv(args.redis_url, ["--pool", pool] if pool else [])
+    if args.command == "controller":  # a fixed consumer, so a restarted watcher finds its unacked job
+        await watch.watch_jobs(args.redis_url, args.runs_dir, args.consumer or "controller", argv)
+    else:
+        consumer = args.consumer or watch.default_consumer(args.command)
+        await watch.watch_service(args.command, args.redis_url, args.runs_dir, consumer, argv)
 
 
 async def _service_main(name: str, config: JobConfig, redis_url: str, consumer: str, run_dir: Path,
@@ -198,9 +358,6 @@ async def _service_main(name: str, config: JobConfig, redis_url: str, consumer: 
     from shared.bus import RedisBus
     from shared.store import setup_store
 
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     if name == "reward":
         from services.reward.main import run as run_reward
 

@@ -117,19 +117,27 @@ def _kill_orphans(service: Service) -> None:
             os.killpg(service.process.pid, signal.SIGKILL)
 
 
-def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:
-    """`jetroll run`: build/find the base model, start Redis unless given, run the services to the end."""
+def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
+    """The config every service of a job reads: the base model built or found (model.path) and the store root
+    (or the S3 store's cache) made absolute, `<run_dir>/store` by default. `jetroll run` and the watch-mode
+    controller both resolve a job this way."""
     from services.init_model import ensure_base_model
-    from services.redis_server import RedisServer
 
-    run_dir = (run_dir or Path("runs") / config.job_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     model_path = ensure_base_model(config.model)
     store_root = config.store.root or str(run_dir / "store")
     tree = config.model_dump(mode="json")
     tree["model"]["path"] = str(Path(model_path).resolve())
     tree["store"]["root"] = str(Path(store_root).resolve())
-    config = validate_config(tree)
+    return validate_config(tree)
+
+
+def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:
+    """`jetroll run`: build/find the base model, start Redis unless given, run the services to the end."""
+    from services.redis_server import RedisServer
+
+    run_dir = (run_dir or Path("runs") / config.job_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = resolve_config(config, run_dir)
 
     server = None
     redis_url = redis_url or config.redis.url

@@ -207,8 +207,18 @@ class RedisBus:
         raise ValueError(f"no consumer group {group!r} on stream {self.key(stream)!r}")
 
     async def wait_for_capacity(self, stream: str, group: str, max_lag: int, poll_s: float = 0.05) -> None:
-        """Backpressure: return once the group's lag is below `max_lag`."""
-        while await self.lag(stream, group, scan_limit=max_lag) >= max_lag:
+        """Backpressure: return once the group's lag is below `max_lag`; at once while the group does not exist yet
+        (its consumer has not started, e.g. a watch-mode service still joining: it reads the stream from the start)."""
+        while True:
+            try:
+                if await self.lag(stream, group, scan_limit=max_lag) < max_lag:
+                    return
+            except ValueError:  # no such group
+                return
+            except aioredis.ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise
+                return
             await asyncio.sleep(poll_s)
 
     async def tail(

@@ -392,6 +392,9 @@ class EvalConfig(Strict):
 
 class LaunchConfig(Strict):
     max_restarts: int = Field(3, ge=0, description="restarts of a dead service before the job fails")
+    trainer_num_cpus: float = Field(1.0, ge=0, description="ray launcher: CPUs reserved for the trainer actor")
+    trainer_num_gpus: float = Field(0.0, ge=0, description="ray launcher: GPUs reserved for the trainer actor")
+    reward_num_cpus: float = Field(1.0, ge=0, description="ray launcher: CPUs reserved for the reward router actor")
 
 
 class JobConfig(Strict):

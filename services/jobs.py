@@ -1,0 +1,180 @@
+"""Event-triggered jobs: the global job queue and status board in Redis, and job configs put to or read from S3.
+
+Redis keys (global, not job-namespaced):
+
+- `jetroll:jobs`: stream of submitted JobEvents (validated, unresolved configs); the controller's consumer group.
+- `jetroll:jobs:active`: stream of JobEvents with the resolved config, one per job the controller starts;
+  watch-mode services tail it and join a job while its status is `running`.
+- `jetroll:jobs:status`: hash job_id -> JSON {status: queued|running|done|failed, submitted_at, started_at,
+  finished_at, run_dir, the summary's fields when done, error when failed}.
+- `jetroll:jobs:dlq`: unprocessable submissions, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import redis.asyncio as aioredis
+import yaml
+from redis.exceptions import WatchError
+
+from shared.bus import FIELD
+from shared.config import ConfigError, JobConfig, load_config
+from shared.events import JobEvent, encode
+
+JOBS = "jetroll:jobs"
+ACTIVE = "jetroll:jobs:active"
+STATUS = "jetroll:jobs:status"
+DLQ = "jetroll:jobs:dlq"
+CONTROLLER_GROUP = "controller"
+FINAL_STATUSES = ("done", "failed")
+MAX_ANNOUNCED = 1000  # approximate MAXLEN of the active stream: the recent jobs' resolved configs
+RESERVED_JOB_IDS = frozenset({"jobs"})  # `jetroll:jobs:*` holds the queue, not a job's streams
+SUMMARY_FIELDS = ("steps", "accuracy_before", "accuracy_after", "rollout_tokens_per_s", "mismatch_mean_abs_logprob",
+                  "groups_dropped", "wall_time_s")
+
+
+def connect(redis_url: str) -> aioredis.Redis:
+    # RESP2 pinned, as in shared.bus, so reply shapes are the same on every server version
+    return aioredis.Redis.from_url(redis_url, protocol=2)
+
+
+def check_job_id(job_id: str) -> None:
+    if job_id in RESERVED_JOB_IDS or not job_id or "/" in job_id:
+        raise ConfigError(f"invalid config: job_id: {job_id!r} is reserved or not a plain name")
+
+
+class JobBoard:
+    """The status hash. Records are merged field by field; `expect` guards a transition (e.g. only a running job
+    becomes done), so the first final status and its reason stand."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+
+    async def get(self, job_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(STATUS, job_id)
+        return json.loads(raw) if raw else None
+
+    async def all(self) -> dict[str, dict[str, Any]]:
+        return {k.decode(): json.loads(v) for k, v in (await self.redis.hgetall(STATUS)).items()}
+
+    async def update(self, job_id: str, *, expect: Iterable[str] | None = None, **fields: Any) -> dict | None:
+        """Merge `fields` into the job's record; None (and no change) when its status is not in `expect`."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(STATUS)
+                    raw = await pipe.hget(STATUS, job_id)
+                    record = json.loads(raw) if raw else {}
+                    if expect is not None and record.get("status") not in tuple(expect):
+                        return None
+                    record.update(fields)
+                    pipe.multi()
+                    pipe.hset(STATUS, job_id, json.dumps(record))
+                    await pipe.execute()
+                    return record
+                except WatchError:
+                    continue
+
+
+async def submit_to_redis(config: JobConfig, redis_url: str) -> JobEvent:
+    """Queue the job on `jetroll:jobs` with a fresh `queued` status record, in one transaction."""
+    check_job_id(config.job_id)
+    event = JobEvent(job_id=config.job_id, config=config.model_dump(mode="json"))
+    client = connect(redis_url)
+    try:
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.hset(STATUS, event.job_id, json.dumps({"status": "queued", "submitted_at": event.submitted_at}))
+            pipe.xadd(JOBS, {FIELD: encode(event)})
+            await pipe.execute()
+    finally:
+        await client.aclose()
+    return event
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://") or not uri[5:].split("/", 1)[0]:
+        raise ConfigError(f"expected an s3://bucket/key URI, got {uri!r}")
+    bucket, _, key = uri[5:].partition("/")
+    return bucket, key
+
+
+def submit_to_s3(config: JobConfig, jobs_uri: str, endpoint_url: str | None = None) -> str:
+    """Put the validated config as `<jobs_uri>/<job_id>.json` (what the S3 -> EventBridge trigger reacts to);
+    returns the object's URI. Credentials and, unless given, the endpoint come from the AWS environment."""
+    import boto3
+
+    check_job_id(config.job_id)
+    bucket, prefix = _split_s3(jobs_uri)
+    key = f"{prefix.strip('/')}/{config.job_id}.json".lstrip("/")
+    body = json.dumps(config.model_dump(mode="json"), indent=2).encode()
+    boto3.client("s3", endpoint_url=endpoint_url).put_object(Bucket=bucket, Key=key, Body=body,
+                                                             ContentType="application/json")
+    return f"s3://{bucket}/{key}"
+
+
+def fetch_job_uri(uri: str) -> str:
+    """The text of an s3://bucket/key job config (boto3's credential chain; AWS_ENDPOINT_URL for other servers)."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = _split_s3(uri)
+    try:
+        body = boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    except (BotoCoreError, ClientError) as exc:
+        raise ConfigError(f"cannot read config {uri}: {exc}".splitlines()[0]) from exc
+    return body.decode()
+
+
+def load_job_config(source: str | Path, overrides: list[str] = ()) -> JobConfig:
+    """`load_config` for a local file or an s3:// job URI (JSON or YAML), with the same one-line errors."""
+    if not str(source).startswith("s3://"):
+        return load_config(source, overrides)
+    text = fetch_job_uri(str(source))
+    try:
+        text = yaml.safe_dump(json.loads(text))  # PyYAML reads JSON's 1e-05 as a string; YAML keeps it a float
+    except ValueError:
+        pass  # not JSON: read as YAML
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / (PurePosixPath(_split_s3(str(source))[1]).name or "job.yaml")
+        path.write_text(text)
+        try:
+            return load_config(path, overrides)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace(str(path), str(source))) from None
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _took(record: dict[str, Any]) -> str:
+    start, end = record.get("started_at"), record.get("finished_at") or (
+        time.time() if record.get("status") == "running" else None)
+    return f"{end - start:.0f}s" if start and end else "-"
+
+
+def _result(record: dict[str, Any]) -> str:
+    if record.get("error"):
+        return record["error"]
+    if "accuracy_after" in record:
+        before, after = record.get("accuracy_before", math.nan), record["accuracy_after"]
+        return f"{record.get('steps', '?')} steps, accuracy {before:.3f} -> {after:.3f}"
+    return ""
+
+
+def format_status(records: dict[str, dict[str, Any]]) -> str:
+    """A small table, oldest submission first."""
+    rows = [("JOB", "STATUS", "SUBMITTED", "TOOK", "RESULT")]
+    for job_id, record in sorted(records.items(), key=lambda kv: kv[1].get("submitted_at") or 0):
+        rows.append((job_id, record.get("status", "?"), _when(record.get("submitted_at")), _took(record),
+                     _result(record)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
+                     .rstrip() for row in rows)

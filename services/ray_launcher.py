@@ -1,0 +1,324 @@
+"""The Ray launcher: the same job as the local launcher, placed on a Ray cluster.
+
+- each rollout pool is a Ray Serve deployment `rollout-<pool>` (app `jetroll-<job_id>-<pool>`, no HTTP proxy):
+  every replica runs one RolloutWorker that consumes `groups:<pool>` itself and pulls new weights itself;
+  Serve keeps between `num_workers` and `max_workers` replicas by the pool's backlog and replaces a dead one;
+- the trainer and the reward router are Ray actors that Ray restarts up to `launch.max_restarts` times;
+- the controller runs in the driver (it owns the console); the job ends when it finishes.
+
+Redis carries everything between them, as in the local launcher; `jetroll:{job_id}:replicas` maps each live
+replica to the weight version it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from shared.config import ConfigError, JobConfig, validate_config
+
+log = logging.getLogger("jetroll.ray")
+
+REPLICAS = "replicas"  # hash: replica name -> the weight version it serves
+WANTED_REPLICAS = "wanted_replicas"  # the custom autoscaling metric each replica reports
+REPORT_S = 0.1
+STOP_TIMEOUT_S = 10.0
+
+
+def _log_to_file(run_dir: Path, name: str) -> None:
+    """Service logs go to <run_dir>/logs/<name>.log, as with the local launcher (on the node that runs it)."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"{name}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+class ServiceActor:
+    """One service (trainer | reward) as a Ray actor. A failed service ends its process, so Ray restarts the actor
+    and retries `run` on it, up to `launch.max_restarts` times."""
+
+    def __init__(self, kind: str, tree: dict[str, Any], redis_url: str, run_dir: str) -> None:
+        from services.cli import _set_threads
+
+        self.kind, self.redis_url, self.run_dir = kind, redis_url, Path(run_dir)
+        self.config = validate_config(tree)
+        _set_threads(kind, self.config)
+        _log_to_file(self.run_dir, kind)
+        self.task: asyncio.Task | None = None
+
+    async def run(self) -> None:
+        import ray
+
+        from services.cli import _service_main
+
+        # a restarted service takes a new consumer name; the dead one's entries are reclaimed (XAUTOCLAIM)
+        consumer = self.kind
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            consumer = f"{self.kind}-{os.getpid()}"
+        self.task = asyncio.create_task(_service_main(self.kind, self.config, self.redis_url, consumer, self.run_dir))
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("%s failed", consumer)
+            logging.shutdown()
+            os._exit(1)
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+class RolloutReplica:
+    """One rollout worker of a pool as a Serve replica. No requests flow through Serve: the worker consumes
+    `groups:<pool>` and tails `weights` on the replica's event loop; `version()` and the replicas hash tell
+    which weights it serves."""
+
+    async def __init__(self, tree: dict[str, Any], redis_url: str, run_dir: str, pool: str) -> None:
+        from ray import serve
+
+        from services.cli import _set_threads
+        from services.rollout.worker import RolloutWorker
+        from shared.bus import RedisBus
+        from shared.store import setup_store
+
+        config = validate_config(tree)
+        _set_threads("rollout", config)
+        self.name = f"rollout-{pool}-{serve.get_replica_context().replica_id.unique_id}"
+        _log_to_file(Path(run_dir), self.name)
+        self.bus = RedisBus(redis_url, config.job_id, max_deliveries=config.redis.max_deliveries,
+                            claim_idle_ms=config.redis.claim_idle_ms)
+        store = setup_store(config.store, config.job_id, Path(run_dir))
+        self.worker = RolloutWorker(config, self.bus, store, self.name, pool)
+        self.groups_per_replica = max(1, (self.worker.pool.max_batch or config.rollout.max_batch)
+                                      // config.trainer.group_size)
+        self.task = asyncio.create_task(self.worker.run())
+        self.reporter = asyncio.create_task(self._report_version())
+
+    def version(self) -> dict[str, Any]:
+        """{"replica": name, "version": the weight version this replica decodes with (None before its first)}."""
+        return {"replica": self.name, "version": self.worker.engine.version if self.worker.engine else None}
+
+    async def _report_version(self) -> None:
+        reported = None
+        while True:
+            version = self.version()["version"]
+            if version is not None and version != reported:
+                await self.bus.redis.hset(self.bus.key(REPLICAS), self.name, version)
+                reported = version
+            await asyncio.sleep(REPORT_S)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric: replicas needed to give every unfinished group of the pool a slot."""
+        try:
+            backlog = await self.bus.lag(self.worker.stream, "rollout")
+        except ValueError:  # no consumer group yet: the worker is still starting
+            backlog = 0
+        return {WANTED_REPLICAS: math.ceil(backlog / self.groups_per_replica)}
+
+    def check_health(self) -> None:
+        """A worker that stopped makes the replica unhealthy, so Serve replaces it."""
+        for task in (self.task, self.reporter):
+            if task.done():
+                cause = None if task.cancelled() else task.exception()
+                raise RuntimeError(f"{self.name}: worker stopped") from cause
+
+    async def __del__(self) -> None:
+        for task in (self.task, self.reporter):
+            task.cancel()
+        await asyncio.gather(self.task, self.reporter, return_exceptions=True)
+        await self.bus.redis.hdel(self.bus.key(REPLICAS), self.name)
+        await self.bus.close()
+
+
+def backlog_policy(ctx: Any) -> tuple[int, dict]:
+    """Serve autoscaling policy of a rollout pool: the most replicas any replica asks for (its pool's backlog over
+    its groups per replica). Serve clamps it to [num_workers, max_workers] and applies its up/down delays."""
+    wanted = (ctx.aggregated_metrics or {}).get(WANTED_REPLICAS) or {}
+    return (math.ceil(max(wanted.values())) if wanted else ctx.current_num_replicas), {}
+
+
+class RayJob:
+    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str) -> None:
+        self.config = config
+        self.tree = config.model_dump(mode="json")
+        self.run_dir = run_dir
+        self.redis_url = redis_url
+        self.actors: dict[str, Any] = {}
+        self.apps: list[str] = []
+        self.celery: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        import ray
+        from ray import serve
+
+        from services.reward.backend import needs_celery_worker
+
+        launch = self.config.launch
+        if needs_celery_worker(self.config.reward, [task.name for task in self.config.tasks]):
+            self.celery = _start_celery(self.config, self.redis_url, self.run_dir)
+        service_actor = ray.remote(ServiceActor)
+        for kind, num_cpus, num_gpus in (("trainer", launch.trainer_num_cpus, launch.trainer_num_gpus),
+                                         ("reward", launch.reward_num_cpus, 0.0)):
+            self.actors[kind] = service_actor.options(
+                name=f"jetroll-{self.config.job_id}-{kind}", num_cpus=num_cpus, num_gpus=num_gpus,
+                max_restarts=launch.max_restarts, max_task_retries=-1,
+            ).remote(kind, self.tree, self.redis_url, str(self.run_dir))
+        serve.start(proxy_location="Disabled")
+        for pool in self.config.rollout.pools:
+            resources: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
+            if pool.accelerator_type:
+                resources["accelerator_type"] = pool.accelerator_type
+            deployment = serve.deployment(RolloutReplica).options(
+                name=f"rollout-{pool.name}", ray_actor_options=resources, graceful_shutdown_timeout_s=STOP_TIMEOUT_S,
+                autoscaling_config={"min_replicas": pool.num_workers,
+                                    "max_replicas": pool.max_workers or pool.num_workers,
+                                    "policy": {"policy_function": f"{__name__}:backlog_policy"}})
+            app = f"jetroll-{self.config.job_id}-{pool.name}"
+            self.apps.append(app)
+            serve.run(deployment.bind(self.tree, self.redis_url, str(self.run_dir), pool.name), name=app,
+                      route_prefix=None)
+
+    async def supervise(self) -> int:
+        """Run the controller here until it finishes (0), or until a service is dead for good (1)."""
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        services = {asyncio.wrap_future(actor.run.remote().future()): kind for kind, actor in self.actors.items()}
+        controller = asyncio.create_task(self._controller())
+        pending = {controller, *services}
+        try:
+            while True:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if controller in done:
+                    return controller.result()
+                for future in done:
+                    if future.exception() is not None:  # done without error: the trainer finished its steps
+                        print(f"jetroll: service {services[future]} died after {self.config.launch.max_restarts} "
+                              f"restarts: {str(future.exception()).splitlines()[0]}; see "
+                              f"{self.run_dir / 'logs' / (services[future] + '.log')}", file=sys.stderr)
+                        return 1
+        finally:
+            controller.cancel()
+            await asyncio.gather(controller, return_exceptions=True)
+
+    async def _controller(self) -> int:
+        from services.cli import _service_main
+
+        max_restarts = self.config.launch.max_restarts
+        for attempt in range(max_restarts + 1):
+            consumer = "controller" if not attempt else f"controller-r{attempt}"
+            try:
+                await _service_main("controller", self.config, self.redis_url, consumer, self.run_dir)
+                return 0
+            except Exception as exc:
+                log.exception("%s failed", consumer)
+                what = f"restart {attempt + 1}/{max_restarts}" if attempt < max_restarts else "giving up"
+                print(f"jetroll: controller failed ({type(exc).__name__}: {exc}); {what}", file=sys.stderr)
+        return 1
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        stopping = [actor.stop.remote() for actor in self.actors.values()]
+        if stopping:
+            ray.wait(stopping, num_returns=len(stopping), timeout=STOP_TIMEOUT_S)
+        for app in self.apps:  # on a shared cluster, Serve and other jobs' apps stay
+            with contextlib.suppress(Exception):
+                serve.delete(app)
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        if self.celery is not None:  # its pool children outlive the main process: end the whole group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.celery.pid, signal.SIGKILL)
+            self.celery.wait()
+
+
+def _start_celery(config: JobConfig, redis_url: str, run_dir: Path) -> subprocess.Popen:
+    """The Celery reward worker runs beside the driver, as the local launcher runs it."""
+    from services.reward.celery_worker import worker_command, worker_env
+
+    reward = config.reward
+    cmd = worker_command(reward, node=f"jetroll-{config.job_id}-celery-worker@localhost")
+    env = {**os.environ, **worker_env(reward, reward.celery_broker_url or redis_url)}
+    with (run_dir / "logs" / "celery-worker.log").open("ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, env=env)
+
+
+def _check_redis(redis_url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ConfigError(f"cannot reach Redis at {redis_url}: {exc}") from exc
+    finally:
+        client.close()
+
+
+def run_ray_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None,
+                ray_address: str | None = None, num_cpus: int | None = None) -> int:
+    """`jetroll run --launcher ray`: a local Ray cluster (or the one at `ray_address`) runs the job's services."""
+    try:
+        import ray
+    except ImportError:
+        print("jetroll: the ray launcher needs Ray: pip install 'jetroll[ray]'", file=sys.stderr)
+        return 2
+    from services.launcher import resolve_config
+    from services.redis_server import RedisServer
+
+    ray_address = ray_address or os.environ.get("RAY_ADDRESS")
+    redis_url = redis_url or config.redis.url
+    if ray_address and redis_url is None:
+        raise ConfigError("--ray-address: the services run on other nodes, so they need a Redis every node can "
+                          "reach: pass --redis-url or set redis.url")
+    if redis_url is not None:
+        _check_redis(redis_url)
+    run_dir = (run_dir or Path("runs") / config.job_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    config = resolve_config(config, run_dir)
+    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+
+    server = None
+    if redis_url is None:
+        server = RedisServer().start()
+        redis_url = server.url
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address=ray_address, num_cpus=None if ray_address else num_cpus, include_dashboard=False,
+             log_to_driver=False, logging_level=logging.WARNING)
+    job = RayJob(config, run_dir, redis_url)
+    print(f"jetroll: job {config.job_id} in {run_dir} (redis {redis_url}, ray {ray_address or 'local'}, "
+          f"pid {os.getpid()})", file=sys.stderr)
+    try:
+        job.start()
+        code = asyncio.run(job.supervise())
+    except KeyboardInterrupt:
+        print("jetroll: interrupted; stopping services", file=sys.stderr)
+        code = 130
+    except asyncio.CancelledError:  # SIGTERM
+        print("jetroll: terminated; stopping services", file=sys.stderr)
+        code = 143
+    finally:
+        job.stop()
+        ray.shutdown()
+        if server is not None:
+            server.stop()
+    if code == 0:
+        print(f"jetroll: done; see {run_dir / 'summary.json'}", file=sys.stderr)
+    return code

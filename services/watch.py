@@ -1,0 +1,311 @@
+"""Watch mode: the controller runs submitted jobs one at a time; the other services join and leave them.
+
+The controller reads `jetroll:jobs` in a consumer group, resolves each job as `jetroll run` does, marks it
+`running`, announces the resolved config on `jetroll:jobs:active`, runs the controller to the end, marks it `done`
+(with the summary) or `failed` (with the error), and acks. Services tail the announcements from the start and
+join each job whose status is `running`; they leave when it turns `done` or `failed`.
+
+Each job's service runs as its own process, exactly as the local launcher starts it (`jetroll <service> --config`):
+a job's memory (and GPU memory) goes with it, a crash stays in that job, and a service that does not stop when its
+job ends is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from services.jobs import (
+    ACTIVE,
+    CONTROLLER_GROUP,
+    DLQ,
+    FINAL_STATUSES,
+    JOBS,
+    MAX_ANNOUNCED,
+    RESERVED_JOB_IDS,
+    SUMMARY_FIELDS,
+    JobBoard,
+    check_job_id,
+    connect,
+)
+from shared.bus import FIELD, _s, _stream_entries
+from shared.config import ConfigError, JobConfig, validate_config
+from shared.events import EventDecodeError, JobEvent, decode, encode
+
+log = logging.getLogger("jetroll.watch")
+
+POLL_S = 1.0
+STOP_TIMEOUT_S = 10.0
+HEARTBEAT_ENV = "JETROLL_HEARTBEAT_FILE"
+# (service, resolved config file, run dir, consumer) -> the argv of that service's process for one job
+ServiceArgv = Callable[[str, Path, Path, str], list[str]]
+
+
+def service_argv(redis_url: str, extra: Sequence[str] = ()) -> ServiceArgv:
+    """`jetroll <service> --config ...`, as the local launcher starts a service."""
+
+    def argv(name: str, config_path: Path, run_dir: Path, consumer: str) -> list[str]:
+        return [sys.executable, "-m", "services.cli", name, "--config", str(config_path), "--redis-url", redis_url,
+                "--consumer", consumer, "--run-dir", str(run_dir), *extra]
+
+    return argv
+
+
+def default_consumer(name: str) -> str:
+    """Unique per replica, so `--scale rollout=N` gives N consumers."""
+    return f"{name}-{socket.gethostname()}-{os.getpid()}"
+
+
+class JobRejected(Exception):
+    """A submission that cannot run: it goes to the jobs dlq and, when its job_id is known, is marked failed."""
+
+    def __init__(self, reason: str, job_id: str | None) -> None:
+        super().__init__(reason)
+        self.reason, self.job_id = reason, job_id
+
+
+async def run_while_running(argv: list[str], board: JobBoard, job_id: str, *, poll_s: float = POLL_S,
+                            stop_timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+    """Run one process while the job's status stays `running`; its exit code, or None when the job ended first
+    (done, failed or gone). A process still alive then, or when the watcher stops, gets SIGTERM, then SIGKILL."""
+    env = {k: v for k, v in os.environ.items() if k != HEARTBEAT_ENV}  # the heartbeat is the watcher's
+    process = await asyncio.create_subprocess_exec(*argv, env=env)
+    try:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(process.wait(), poll_s)
+            record = await board.get(job_id)
+            if record is None or record.get("status") != "running":
+                return None
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), stop_timeout_s)
+            except TimeoutError:
+                log.warning("pid %d ignored SIGTERM for %.0f s; killing it", process.pid, stop_timeout_s)
+                process.kill()
+                await process.wait()
+
+
+async def serve_job(name: str, consumer: str, config: JobConfig, config_path: Path, run_dir: Path,
+                    argv: ServiceArgv, board: JobBoard, *, poll_s: float = POLL_S,
+                    stop_timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+    """Run the service for the job, restarting it up to `launch.max_restarts` times while the job runs, as the local
+    launcher does (each restart a new consumer, which reclaims the dead one's entries). Returns 0 when it finished,
+    None when the job ended first, else the last exit code."""
+    max_restarts = config.launch.max_restarts
+    code = None
+    for num_restarts in range(max_restarts + 1):
+        name_i = consumer if not num_restarts else f"{consumer}-r{num_restarts}"
+        code = await run_while_running(argv(name, config_path, run_dir, name_i), board, config.job_id,
+                                       poll_s=poll_s, stop_timeout_s=stop_timeout_s)
+        if code is None or code == 0:
+            return code
+        log.error("%s exited with %d in job %s (restart %d/%d)", name_i, code, config.job_id, num_restarts,
+                  max_restarts)
+    return code
+
+
+async def watch_jobs(redis_url: str, runs_dir: Path, consumer: str = CONTROLLER_GROUP, argv: ServiceArgv | None = None,
+                     *, poll_s: float = POLL_S, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """`jetroll controller --watch`: run every job on `jetroll:jobs` in order, one at a time, forever. A bad
+    submission is dead-lettered and marked failed; a failing job is marked failed; neither stops the watcher.
+    This consumer's unacked job (the watcher restarted mid-job) runs first: the job resumes where it was."""
+    argv = argv or service_argv(redis_url)
+    redis = connect(redis_url)
+    board = JobBoard(redis)
+    try:
+        try:
+            await redis.xgroup_create(JOBS, CONTROLLER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        log.info("controller %s watching %s", consumer, JOBS)
+        cursor = "0"  # this consumer's pending entries first, then new ones
+        while True:
+            reply = await redis.xreadgroup(CONTROLLER_GROUP, consumer, {JOBS: cursor}, count=1,
+                                           block=None if cursor == "0" else int(poll_s * 1000))
+            entries = _stream_entries(reply)
+            if not entries:
+                cursor = ">"
+                continue
+            for raw_id, fields in entries:
+                entry_id = _s(raw_id)
+                payload = (fields or {}).get(FIELD)
+                try:
+                    event, config = _parse_job(payload)
+                except JobRejected as exc:
+                    await _reject(redis, board, entry_id, payload, exc)
+                else:
+                    await _run_job(redis, board, event, config, (runs_dir / config.job_id).resolve(), consumer, argv,
+                                   poll_s, stop_timeout_s)
+                await redis.xack(JOBS, CONTROLLER_GROUP, entry_id)
+    finally:
+        await redis.aclose()
+
+
+def _parse_job(payload: bytes | None) -> tuple[JobEvent, JobConfig]:
+    if payload is None:
+        raise JobRejected(f"missing field {FIELD.decode()!r}", None)
+    try:
+        event = decode(payload)
+    except EventDecodeError as exc:
+        raise JobRejected(f"undecodable event: {exc}", _peek_job_id(payload)) from None
+    if not isinstance(event, JobEvent):
+        raise JobRejected(f"expected a job event, got a {type(event).__struct_config__.tag} event", None)
+    job_id = None if event.job_id in RESERVED_JOB_IDS else event.job_id
+    try:
+        config = validate_config({"job_id": event.job_id, **event.config})
+        check_job_id(config.job_id)
+    except ConfigError as exc:
+        raise JobRejected(str(exc), job_id) from None
+    if config.job_id != event.job_id:
+        raise JobRejected(f"config job_id {config.job_id!r} differs from the event's {event.job_id!r}", job_id)
+    return event, config
+
+
+def _peek_job_id(payload: bytes) -> str | None:
+    """The job_id of an event that does not decode as one, if a msgpack map holds a usable one."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    job_id = raw.get("job_id") if isinstance(raw, dict) else None
+    return job_id if isinstance(job_id, str) and job_id and job_id not in RESERVED_JOB_IDS else None
+
+
+async def _reject(redis: aioredis.Redis, board: JobBoard, entry_id: str, payload: bytes | None,
+                  exc: JobRejected) -> None:
+    log.warning("job entry %s rejected: %s", entry_id, exc.reason)
+    record: dict[str, str | bytes] = {"stream": JOBS, "entry_id": entry_id, "reason": exc.reason}
+    if payload is not None:
+        record["payload"] = payload
+    await redis.xadd(DLQ, record)
+    if exc.job_id is not None:  # never clobber a job of that id that runs or ran
+        await board.update(exc.job_id, expect=(None, "queued"), status="failed", error=exc.reason,
+                           finished_at=time.time())
+
+
+async def _run_job(redis: aioredis.Redis, board: JobBoard, event: JobEvent, config: JobConfig, run_dir: Path,
+                   consumer: str, argv: ServiceArgv, poll_s: float, stop_timeout_s: float) -> None:
+    from services.launcher import resolve_config
+
+    job_id = config.job_id
+    previous = await board.get(job_id) or {}
+    if previous.get("status") in FINAL_STATUSES and previous.get("submitted_at") == event.submitted_at:
+        log.info("job %s already %s (the watcher stopped before its ack)", job_id, previous["status"])
+        return
+    is_resumed = previous.get("status") == "running"
+    await board.update(job_id, status="running", submitted_at=previous.get("submitted_at", event.submitted_at),
+                       started_at=previous["started_at"] if is_resumed else time.time(), run_dir=str(run_dir))
+    log.info("job %s %s in %s", job_id, "resumed" if is_resumed else "started", run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = await asyncio.to_thread(resolve_config, config, run_dir)
+        config_path = run_dir / "config.json"  # as the local launcher writes it
+        config_path.write_text(json.dumps(resolved.model_dump(mode="json"), indent=2))
+        announcement = JobEvent(job_id=job_id, config=resolved.model_dump(mode="json"), submitted_at=event.submitted_at)
+        await redis.xadd(ACTIVE, {FIELD: encode(announcement)}, maxlen=MAX_ANNOUNCED, approximate=True)
+        code = await serve_job("controller", consumer, resolved, config_path, run_dir, argv, board, poll_s=poll_s,
+                               stop_timeout_s=stop_timeout_s)
+        if code is None:
+            log.warning("job %s ended before its controller did: %s", job_id,
+                        (await board.get(job_id) or {}).get("error"))
+            return
+        if code != 0:
+            raise RuntimeError(f"the controller exited with {code} after {resolved.launch.max_restarts} restarts; "
+                               f"see its log")
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except Exception as exc:  # a failed job is a status; the watcher goes on with the next one
+        log.error("job %s failed: %s", job_id, exc)
+        await board.update(job_id, expect=("running",), status="failed", finished_at=time.time(),
+                           error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+        return
+    await board.update(job_id, expect=("running",), status="done", finished_at=time.time(),
+                       **{name: summary[name] for name in SUMMARY_FIELDS if name in summary})
+    log.info("job %s done", job_id)
+
+
+async def watch_service(name: str, redis_url: str, runs_dir: Path, consumer: str, argv: ServiceArgv | None = None,
+                        *, poll_s: float = POLL_S, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """`jetroll rollout|reward|trainer --watch`: join every announced job while it runs (one already running at
+    start too), serve it until it ends (the trainer: until its last step), then wait for the next one. A service
+    that keeps failing fails the job, with a message naming it."""
+    argv = argv or service_argv(redis_url)
+    redis = connect(redis_url)
+    board = JobBoard(redis)
+    served: set[str] = set()
+    last_id = "0-0"
+    log.info("%s %s waiting for jobs on %s", name, consumer, ACTIVE)
+    try:
+        while True:
+            reply = await redis.xread({ACTIVE: last_id}, count=16, block=int(poll_s * 1000))
+            for raw_id, fields in _stream_entries(reply):
+                last_id = _s(raw_id)
+                config = _announced(last_id, (fields or {}).get(FIELD))
+                if config is None or config.job_id in served:
+                    continue
+                record = await board.get(config.job_id)
+                if record is None or record.get("status") != "running":
+                    continue
+                served.add(config.job_id)
+                await _serve(name, consumer, config, (runs_dir / config.job_id).resolve(), argv, board, poll_s,
+                             stop_timeout_s)
+    finally:
+        await redis.aclose()
+
+
+def _announced(entry_id: str, payload: bytes | None) -> JobConfig | None:
+    try:
+        if payload is None:
+            raise EventDecodeError(f"missing field {FIELD.decode()!r}")
+        event = decode(payload)
+        if not isinstance(event, JobEvent):
+            raise EventDecodeError(f"expected a job event, got a {type(event).__struct_config__.tag} event")
+        return validate_config(event.config)
+    except (EventDecodeError, ConfigError) as exc:
+        log.warning("skipping announcement %s on %s: %s", entry_id, ACTIVE, exc)
+        return None
+
+
+async def _serve(name: str, consumer: str, config: JobConfig, run_dir: Path, argv: ServiceArgv, board: JobBoard,
+                 poll_s: float, stop_timeout_s: float) -> None:
+    job_id = config.job_id
+    log.info("%s joins job %s", consumer, job_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # a private copy of the resolved config: the run dir need not be shared with the controller
+    fd, path = tempfile.mkstemp(prefix=f"jetroll-{job_id}-{name}-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(config.model_dump(mode="json"), f)
+        code = await serve_job(name, consumer, config, Path(path), run_dir, argv, board, poll_s=poll_s,
+                               stop_timeout_s=stop_timeout_s)
+    finally:
+        Path(path).unlink(missing_ok=True)
+    if code not in (None, 0):
+        error = f"service {name} ({consumer}) exited with {code} after {config.launch.max_restarts} restarts"
+        log.error("%s; failing job %s", error, job_id)
+        await board.update(job_id, expect=("running",), status="failed", finished_at=time.time(), error=error)
+    log.info("%s leaves job %s", consumer, job_id)
+
+
+async def heartbeat(path: Path, every_s: float = 5.0) -> None:
+    """Touch `path` every few seconds while the event loop runs: a container healthcheck reads its age."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        path.touch()
+        await asyncio.sleep(every_s)

@@ -1,0 +1,134 @@
+"""`jetroll run --launcher ray` on a 2-CPU Ray cluster the test starts: a whole smoke job, with a rollout pool of two
+Serve replicas that must both serve the last published weights."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from test_job import SMOKE, Job, audit_ledger, check_summary, model_path, service_logs, stop  # noqa: F401 - fixture
+
+from services.redis_server import _free_port
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_STEPS = 4
+NUM_REPLICAS = 2
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[str]:
+    """A head node on 127.0.0.1 with 2 CPUs, in its own session; the test process joins it as a driver. At the end
+    every process of that session is stopped, and no other Ray on the machine (`ray stop` would end them all)."""
+    temp_dir = tempfile.mkdtemp(prefix="jrray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    port = _free_port()
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           f"--port={port}", "--num-cpus=2", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+           "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
+           "--object-store-memory=100000000"]
+    log_path = Path(temp_dir) / "ray-start.log"
+    with log_path.open("wb") as log:
+        head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log_path.read_text(errors="replace"):
+            assert head.poll() is None and time.monotonic() < deadline, log_path.read_text(errors="replace")
+            time.sleep(0.2)
+        address = f"127.0.0.1:{port}"
+        ray.init(address=address, log_to_driver=False, logging_level="warning")
+        yield address
+    finally:
+        ray.shutdown()
+        head.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=15)
+        for pid in _session_pids(head.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _wait_for(predicate: Callable[[], object], job: Job, what: str, timeout_s: float = 150.0) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        if job.process.poll() is not None:
+            pytest.fail(f"job exited ({job.process.returncode}) while waiting for {what}:\n{job.stderr()}\n"
+                        f"{service_logs(job.run_dir)}")
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}; stderr:\n{job.stderr()}\n{service_logs(job.run_dir)}")
+
+
+def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
+    job_id = f"r{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / job_id
+    cmd = [sys.executable, "-m", "services.cli", "run", str(SMOKE), "--launcher", "ray", "--ray-address", ray_cluster,
+           "--redis-url", redis_url, "--run-dir", str(run_dir)]
+    for item in (f"model.path={model_path}", f"job_id={job_id}", f"trainer.max_steps={MAX_STEPS}",
+                 f"rollout.pools=[{{name: default, num_workers: {NUM_REPLICAS}, num_cpus: 0.25}}]",
+                 "launch.reward_num_cpus=0.5",
+                 # a longer final eval: the job keeps running while every replica swaps to the last version
+                 "eval.num_problems=150"):
+        cmd += ["--set", item]
+    logs = {name: tmp_path / f"{job_id}.{name}" for name in ("stdout", "stderr")}
+    with logs["stdout"].open("wb") as out, logs["stderr"].open("wb") as err:
+        process = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=tmp_path)
+    job = Job(job_id, run_dir, process, logs)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    app = f"jetroll-{job_id}-default"
+    try:
+        # every replica reports the final version, published after all of them started on version 0
+        versions = _wait_for(lambda: (v := client.hgetall(f"jetroll:{job_id}:replicas")) and len(v) == NUM_REPLICAS
+                             and set(v.values()) == {str(MAX_STEPS)} and v, job, f"both replicas at v{MAX_STEPS}")
+        deployment = serve.status().applications[app].deployments["rollout-default"]
+        assert deployment.replica_states.get("RUNNING") == NUM_REPLICAS == len(versions), deployment
+        handle = serve.get_app_handle(app)
+        answers: dict[str, int] = {}
+        for _ in range(40):  # the router picks a replica per call; collect an answer from each
+            answer = handle.version.remote().result(timeout_s=30)
+            answers[answer["replica"]] = answer["version"]
+            if len(answers) == NUM_REPLICAS:
+                break
+        assert answers == {name: MAX_STEPS for name in versions}, (answers, versions)
+        assert job.wait() == 0, job.stderr()
+        summary = check_summary(job, max_steps=MAX_STEPS)
+        audit_ledger(redis_url, job_id, max_steps=MAX_STEPS, groups_per_step=4, group_size=4)
+        trained_by = {line for line in (run_dir / "logs").iterdir() if line.name.startswith("rollout-default-")}
+        assert len(trained_by) == NUM_REPLICAS, trained_by  # one log per replica, named by its Serve replica id
+        assert summary["mismatch_mean_abs_logprob"] < 1e-3
+        # torn down on a cluster the job did not start: replicas deregistered, the app and the actors gone
+        assert client.hlen(f"jetroll:{job_id}:replicas") == 0
+        assert app not in serve.status().applications
+        for kind in ("trainer", "reward"):
+            with pytest.raises(ValueError):
+                ray.get_actor(f"jetroll-{job_id}-{kind}")
+    finally:
+        client.close()
+        stop(job)
