@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(run, required=True, what="job config YAML (configs/*.yaml), or an s3://bucket/key job (JSON or YAML)")
     run.add_argument("--max-steps", type=int, help="override trainer.max_steps")
     run.add_argument("--run-dir", type=Path, help="where metrics, summary and the weight store go (runs/<job_id>)")
-    run.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
+    run.add_argument("--redis-url", default=os.environ.get("JETROLL_REDIS_URL"),
+                     help="use this Redis instead of starting a private redis-server (env JETROLL_REDIS_URL; the "
+                     "AWS Batch job gets ElastiCache's URL this way)")
     run.add_argument("--launcher", choices=("local", "ray"), default="local", help="local: services as processes "
                      "(default); ray: rollout pools as Ray Serve deployments, trainer and reward router as actors")
     run.add_argument("--ray-address", help="--launcher ray: join this Ray cluster (needs --redis-url or redis.url); "
@@ -236,65 +238,31 @@ def _celery_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench == "precision":
-        from services.bench import precision
+    """Run one benchmark (its module imported late), then print its JSON object or its table."""
+    import importlib
 
-        result = precision.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            precision.print_table(result)
-        return 0
-    if args.bench == "async":
-        from services.bench import async_
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split(","))
 
-        result = async_.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            async_.print_table(result)
-        return 0
-    if args.bench == "mismatch":
-        from services.bench import mismatch
-
-        result = mismatch.run_mismatch_bench(lengths=tuple(int(n) for n in args.lengths.split(",")),
-                                             num_samples=args.samples, threads=args.threads,
-                                             model_path=args.model)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            mismatch.print_table(result)
-        return 0
-    if args.bench == "reward":
-        from services.bench import reward
-
-        result = reward.run_reward_bench(concurrency=tuple(int(c) for c in args.concurrency.split(",")),
-                                         num_calls=args.calls, workers=args.workers,
-                                         backends=tuple(args.backends.split(",")))
-        if args.json:
-            print(json.dumps(result))
-        else:
-            reward.print_table(result)
-        return 0
-    if args.bench == "store":
-        from services.bench import store
-
-        result = store.run_store_bench(synthetic_mb=args.synthetic_mb, repeats=args.repeats,
-                                       multipart_threshold_mib=args.multipart_threshold_mib)
-        if args.json:
-            print(json.dumps(result))
-        else:
-            store.print_table(result)
-        return 0
-    from services.bench.engine import print_table, run_engine_bench
-
-    result = run_engine_bench(batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
-                              new_tokens=args.new_tokens, repeats=args.repeats, threads=args.threads,
-                              compile=not args.no_compile)
+    runs = {
+        "precision": lambda m: m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides),
+        "async": lambda m: m.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir),
+        "mismatch": lambda m: m.run_mismatch_bench(lengths=ints(args.lengths), num_samples=args.samples,
+                                                   threads=args.threads, model_path=args.model),
+        "reward": lambda m: m.run_reward_bench(concurrency=ints(args.concurrency), num_calls=args.calls,
+                                               workers=args.workers, backends=tuple(args.backends.split(","))),
+        "store": lambda m: m.run_store_bench(synthetic_mb=args.synthetic_mb, repeats=args.repeats,
+                                             multipart_threshold_mib=args.multipart_threshold_mib),
+        "engine": lambda m: m.run_engine_bench(batch_sizes=ints(args.batch_sizes), new_tokens=args.new_tokens,
+                                               repeats=args.repeats, threads=args.threads,
+                                               compile=not args.no_compile),
+    }
+    module = importlib.import_module(f"services.bench.{'async_' if args.bench == 'async' else args.bench}")
+    result = runs[args.bench](module)
     if args.json:
         print(json.dumps(result))
     else:
-        print_table(result)
+        module.print_table(result)
     return 0
 
 
