@@ -266,6 +266,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_threads(service: str, config: JobConfig) -> None:
+    """Torch threads per service, from the config (the Ray launcher's actors and replicas call this too)."""
+    import torch
+
+    torch.set_num_threads({"rollout": config.rollout.threads, "reward": config.reward.threads,
+                           "trainer": config.trainer.threads, "controller": 1}[service])
+
+
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.redis_url:
         parser.error(f"{args.command} needs --redis-url (or JETROLL_REDIS_URL)")
@@ -277,11 +285,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.run_dir is None:
             parser.error("--config needs --run-dir")
         config = validate_config(json.loads(args.config.read_text()))
-        threads = {"rollout": config.rollout.threads, "reward": config.reward.threads,
-                   "trainer": config.trainer.threads, "controller": 1}[args.command]
-        import torch
-
-        torch.set_num_threads(threads)
+        _set_threads(args.command, config)
         main = _service_main(args.command, config, args.redis_url, args.consumer or args.command, args.run_dir,
                              getattr(args, "pool", None))
     try:

@@ -137,11 +137,14 @@ class RolloutReplica:
                 raise RuntimeError(f"{self.name}: worker stopped") from cause
 
     async def __del__(self) -> None:
-        for task in (self.task, self.reporter):
+        # Serve calls this after a failed __init__ too: only what was set up is torn down
+        tasks = [t for t in (getattr(self, "task", None), getattr(self, "reporter", None)) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(self.task, self.reporter, return_exceptions=True)
-        await self.bus.redis.hdel(self.bus.key(REPLICAS), self.name)
-        await self.bus.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if hasattr(self, "bus"):
+            await self.bus.redis.hdel(self.bus.key(REPLICAS), self.name)
+            await self.bus.close()
 
 
 def backlog_policy(ctx: Any) -> tuple[int, dict]:
