@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors.torch import load_file
 
 from services.evaluate import evaluate
 from shared.config import ModelConfig
 from shared.env import is_multi_turn
-from shared.model import CausalLM, ModelArgs, save_pretrained
+from shared.model import CausalLM, ModelArgs, load_state, save_pretrained
 from shared.tasks import get_task
 from shared.tokenizer import Tokenizer, build_char_tokenizer
 
@@ -137,6 +138,10 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
     rng = random.Random(warm.seed)
     model = CausalLM(model_args(config, tokenizer))
     init_weights(model)
+    if warm.init_from is not None:
+        first = ensure_base_model(config.model_copy(update={"warm_start": warm.init_from}), progress=progress)
+        shards = sorted(first.glob("*.safetensors"))
+        load_state(model, {name: tensor for shard in shards for name, tensor in load_file(str(shard)).items()})
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, betas=(0.9, 0.98), weight_decay=0.01)
     losses: list[float] = []
@@ -177,7 +182,10 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
 
 def config_hash(config: ModelConfig) -> str:
     """sha256 of the model config JSON, without `path` and `cache_dir` (they don't change the weights)."""
-    tree = config.model_dump(mode="json", exclude={"path", "cache_dir"})
+    # a config without init_from hashes as it did before the field existed, so cached models stay valid
+    exclude = {"path": True, "cache_dir": True, **({"warm_start": {"init_from"}} if config.warm_start.init_from is None
+                                                    else {})}
+    tree = config.model_dump(mode="json", exclude=exclude)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 

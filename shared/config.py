@@ -28,6 +28,9 @@ class WarmStartConfig(Strict):
     batch_size: int = Field(64, ge=1, description="sequences per SFT step")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate for SFT")
     tasks: list[str] = Field(["arithmetic"], min_length=1, description="tasks whose data the SFT pass sees")
+    init_from: WarmStartConfig | None = Field(
+        None, description="start from the base model this earlier warm start builds (cached on its own, e.g. the "
+        "default job's) instead of a random init; None: random init")
 
 
 class ModelConfig(Strict):

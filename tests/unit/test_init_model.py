@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -144,3 +145,20 @@ def test_evaluate_matches_manual_count(built: tuple[Path, dict]) -> None:
         reward_fn(tokenizer.decode(r.output_ids), p.answer).correct for r, p in zip(requests, problems, strict=True)
     )
     assert accuracy["arithmetic"] == num_correct / 50
+
+
+def test_a_second_stage_starts_from_the_first_stages_cached_model(tmp_path: Path) -> None:
+    """warm_start.init_from builds (and caches) the first stage, then trains on from its weights."""
+    first = tiny_config(cache_dir=tmp_path / "cache")
+    staged = first.model_copy(update={"warm_start": WarmStartConfig(
+        steps=0, batch_size=8, seed=1, tasks=["arithmetic", "count32"], init_from=first.warm_start)})
+    path = ensure_base_model(staged, progress=False)
+    first_path = tmp_path / "cache" / f"base-{config_hash(first)}"
+    assert first_path.is_dir() and path != first_path
+    # zero further steps: the second stage's weights are exactly the first's
+    ours, theirs = load_file(str(path / "model.safetensors")), load_file(str(first_path / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # a config without init_from keeps the hash it had before the field existed
+    tree = first.model_dump(mode="json", exclude={"path", "cache_dir"})
+    del tree["warm_start"]["init_from"]
+    assert config_hash(first) == hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
