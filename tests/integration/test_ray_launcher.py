@@ -26,8 +26,9 @@ serve = pytest.importorskip("ray.serve")
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MAX_STEPS = 4
+MAX_STEPS = 8
 NUM_REPLICAS = 2
+TARGET = 2  # a version published after every replica started on version 0
 
 
 @pytest.fixture
@@ -93,9 +94,7 @@ def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, mo
            "--redis-url", redis_url, "--run-dir", str(run_dir)]
     for item in (f"model.path={model_path}", f"job_id={job_id}", f"trainer.max_steps={MAX_STEPS}",
                  f"rollout.pools=[{{name: default, num_workers: {NUM_REPLICAS}, num_cpus: 0.25}}]",
-                 "launch.reward_num_cpus=0.5",
-                 # a longer final eval: the job keeps running while every replica swaps to the last version
-                 "eval.num_problems=150"):
+                 "launch.reward_num_cpus=0.5"):
         cmd += ["--set", item]
     logs = {name: tmp_path / f"{job_id}.{name}" for name in ("stdout", "stderr")}
     with logs["stdout"].open("wb") as out, logs["stderr"].open("wb") as err:
@@ -104,9 +103,10 @@ def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, mo
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     app = f"jetroll-{job_id}-default"
     try:
-        # every replica reports the final version, published after all of them started on version 0
+        # every replica reports a version published after all of them started on version 0 (checked mid-job: the
+        # app and its replicas go away as soon as the job ends)
         versions = _wait_for(lambda: (v := client.hgetall(f"jetroll:{job_id}:replicas")) and len(v) == NUM_REPLICAS
-                             and set(v.values()) == {str(MAX_STEPS)} and v, job, f"both replicas at v{MAX_STEPS}")
+                             and min(int(x) for x in v.values()) >= TARGET and v, job, f"both replicas at v{TARGET}+")
         deployment = serve.status().applications[app].deployments["rollout-default"]
         assert deployment.replica_states.get("RUNNING") == NUM_REPLICAS == len(versions), deployment
         handle = serve.get_app_handle(app)
@@ -116,7 +116,8 @@ def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, mo
             answers[answer["replica"]] = answer["version"]
             if len(answers) == NUM_REPLICAS:
                 break
-        assert answers == {name: MAX_STEPS for name in versions}, (answers, versions)
+        assert answers.keys() == versions.keys(), (answers, versions)
+        assert all(answers[name] >= int(versions[name]) for name in answers), (answers, versions)
         assert job.wait() == 0, job.stderr()
         summary = check_summary(job, max_steps=MAX_STEPS)
         audit_ledger(redis_url, job_id, max_steps=MAX_STEPS, groups_per_step=4, group_size=4)
