@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from shared.config import ConfigError, JobConfig, validate_config
 
 log = logging.getLogger("jetroll.ray")
@@ -243,6 +245,12 @@ class RayJob:
         for app in self.apps:  # on a shared cluster, Serve and other jobs' apps stay
             with contextlib.suppress(Exception):
                 serve.delete(app)
+        # a replica deregisters itself on a graceful shutdown; one that crashed or was cut short leaves its entry
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            client.delete(f"jetroll:{self.config.job_id}:{REPLICAS}")
+        finally:
+            client.close()
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         if self.celery is not None:  # its pool children outlive the main process: end the whole group
