@@ -58,6 +58,17 @@ def is_heldout(key: str) -> bool:
     return int.from_bytes(digest[:8], "little") % 100 < HELDOUT_PERCENT
 
 
+def _training_problem(
+    rng: random.Random, draw: Callable[[random.Random], tuple[Any, ...]], key: Callable[..., str],
+    make: Callable[..., Problem],
+) -> Problem:
+    """Draw parameter tuples until one is not held out."""
+    while True:
+        params = draw(rng)
+        if not is_heldout(key(*params)):
+            return make(*params)
+
+
 def _heldout_problems(
     n: int,
     draw: Callable[[random.Random], tuple[Any, ...]],
@@ -113,19 +124,13 @@ class ArithmeticTask:
 
         return operand(), rng.choice("+-"), operand()
 
-    def _sample_with(self, draw: Callable[[random.Random], tuple[int, str, int]], rng: random.Random) -> Problem:
-        while True:
-            params = draw(rng)
-            if not is_heldout(self.key(*params)):
-                return self.make(*params)
-
     def sample(self, rng: random.Random) -> Problem:
-        return self._sample_with(self._draw, rng)
+        return _training_problem(rng, self._draw, self.key, self.make)
 
     def sft_sample(self, rng: random.Random) -> Problem:
         # operand lengths drawn uniformly: the short problems teach the digit-wise algorithm, which a
         # from-scratch model otherwise finds only after a long plateau on uniform 3-digit operands
-        return self._sample_with(self._draw_digit_balanced, rng)
+        return _training_problem(rng, self._draw_digit_balanced, self.key, self.make)
 
     def heldout(self, n: int) -> list[Problem]:
         return _heldout_problems(n, self._draw, self.key, self.make, "arithmetic-heldout", 100 * n + 10_000)
@@ -174,10 +179,7 @@ class CountTask:
         return rng.randint(self.min_start, self.max_start), rng.randint(1, self.max_step)
 
     def sample(self, rng: random.Random) -> Problem:
-        while True:
-            params = self._draw(rng)
-            if not is_heldout(self.key(*params)):
-                return self.make(*params)
+        return _training_problem(rng, self._draw, self.key, self.make)
 
     def heldout(self, n: int) -> list[Problem]:
         return _heldout_problems(n, self._draw, self.key, self.make, "count-heldout", 100 * n + 10_000)
@@ -224,10 +226,7 @@ class CalculatorTask:
         return rng.randint(self.min_operand, self.max_operand), rng.randint(self.min_operand, self.max_operand)
 
     def sample(self, rng: random.Random) -> Problem:
-        while True:
-            params = self._draw(rng)
-            if not is_heldout(self.key(*params)):
-                return self.make(*params)
+        return _training_problem(rng, self._draw, self.key, self.make)
 
     def heldout(self, n: int) -> list[Problem]:
         return _heldout_problems(n, self._draw, self.key, self.make, "calculator-heldout", 100 * n + 10_000)
