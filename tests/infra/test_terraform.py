@@ -45,7 +45,8 @@ def _terraform() -> str:
     path = shutil.which("terraform") or ("/usr/local/bin/terraform" if Path("/usr/local/bin/terraform").is_file()
                                          else None)
     if path is None:
-        pytest.skip("terraform is not installed (needed only for `terraform fmt`; see infra/README.md)")
+        pytest.fail("terraform is not installed: `terraform fmt -check` is an acceptance check of infra/ "
+                    "(see infra/README.md)")
     return path
 
 

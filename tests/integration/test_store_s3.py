@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +17,6 @@ import boto3
 import pytest
 import redis
 import torch
-from moto.server import ThreadedMotoServer
 from safetensors.torch import save_file
 from test_job import launch, service_logs, stop
 
@@ -35,28 +33,6 @@ SMOKE = REPO / "configs" / "smoke.yaml"
 PREFIX = "runs"
 JOB = "job1"
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def s3_url() -> Iterator[str]:
-    """A moto S3 server on a free loopback port, with dummy credentials in the environment for every client."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in (
-            ("AWS_ACCESS_KEY_ID", "testing"),
-            ("AWS_SECRET_ACCESS_KEY", "testing"),
-            ("AWS_DEFAULT_REGION", "us-east-1"),
-            ("AWS_CONFIG_FILE", "/nonexistent"),
-            ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent"),
-        ):
-            env.setenv(name, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
 
 
 @pytest.fixture

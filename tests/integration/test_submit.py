@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import os
 import signal
@@ -22,7 +21,6 @@ import boto3
 import msgspec
 import pytest
 import redis
-from moto.server import ThreadedMotoServer
 
 from services import watch
 from services.jobs import ACTIVE, DLQ, JOBS, STATUS, load_job_config
@@ -350,32 +348,13 @@ def test_submit_rejects_bad_input_with_one_line(tmp_path: Path) -> None:
 
 # --- job configs through S3 -----------------------------------------------------------------------------------------
 
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
-
-
-@pytest.fixture(scope="module")
-def s3_url() -> Iterator[str]:
-    """A moto S3 server on a free loopback port, with dummy credentials in the environment."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in AWS_ENV.items():
-            env.setenv(name, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
-
-
-def test_submit_to_s3_and_run_reads_the_job_uri(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_submit_to_s3_and_run_reads_the_job_uri(s3_url: str, aws_env: dict[str, str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     bucket = f"jobs-{uuid.uuid4().hex[:10]}"
     s3 = boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1")
     s3.create_bucket(Bucket=bucket)
     result = cli("submit", str(SMOKE), "--to", "s3", "--jobs-uri", f"s3://{bucket}/jobs/", "--endpoint-url", s3_url,
-                 "--set", "job_id=s3job", "--set", "trainer.lr=1e-05", env=AWS_ENV)
+                 "--set", "job_id=s3job", "--set", "trainer.lr=1e-05", env=aws_env)
     assert result.returncode == 0 and result.stdout.strip() == "s3job", result.stderr
     assert f"s3://{bucket}/jobs/s3job.json" in result.stderr
     expected = load_config(SMOKE, ["job_id=s3job", "trainer.lr=1e-05"])
@@ -393,6 +372,6 @@ def test_submit_to_s3_and_run_reads_the_job_uri(s3_url: str, monkeypatch: pytest
         load_job_config(f"s3://{bucket}/jobs/bad.json")
     with pytest.raises(ConfigError, match=f"cannot read config s3://{bucket}/jobs/missing.json"):
         load_job_config(f"s3://{bucket}/jobs/missing.json")
-    result = cli("run", f"s3://{bucket}/jobs/missing.json", env={**AWS_ENV, "AWS_ENDPOINT_URL": s3_url})
+    result = cli("run", f"s3://{bucket}/jobs/missing.json", env={**aws_env, "AWS_ENDPOINT_URL": s3_url})
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().count("\n") == 0 and "cannot read config s3://" in result.stderr, result.stderr
