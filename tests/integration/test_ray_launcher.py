@@ -26,6 +26,9 @@ serve = pytest.importorskip("ray.serve")
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+# this test's handle would push autoscaling metrics from a background thread that outlives the test's Ray connection
+# and then starts a local cluster of its own inside pytest; the pools scale on the replicas' own metric
+os.environ["RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE"] = "0"
 MAX_STEPS = 8
 NUM_REPLICAS = 2
 TARGET = 2  # a version published after every replica started on version 0
