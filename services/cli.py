@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every client
+    if args.command in ("run", "bench"):
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         if args.command == "run":
             from services.jobs import load_job_config
@@ -173,6 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"jetroll: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"jetroll: {args.command} interrupted", file=sys.stderr)
+        return 130
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops `run` and `bench` as Ctrl-C does: their finally blocks stop the services and Redis they started
+    (the default action would leave them running, orphaned). A second SIGTERM must not cut that clean-up short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

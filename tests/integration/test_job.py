@@ -284,6 +284,17 @@ def test_nothing_lost_when_rollout_and_reward_are_killed(start_job: Callable[...
     assert all(o["status"] == "trained" for o in ledger.values()), ledger  # rewards never fail here
 
 
+def test_sigterm_stops_the_job_and_its_services(start_job: Callable[..., Job]) -> None:
+    """`kill PID` of `jetroll run` stops every service it started, instead of leaving them orphaned."""
+    job = start_job("trainer.max_steps=200")
+    wait_for(lambda: len(job.metrics()) >= 2, job, "2 steps")
+    assert service_pids(None, job.config_path), "no services to stop"
+    job.process.send_signal(signal.SIGTERM)
+    assert job.process.wait(timeout=60) == 130, job.stderr()
+    assert "interrupted; stopping services" in job.stderr()
+    assert service_pids(None, job.config_path) == []
+
+
 def test_restart_limit_names_the_service(start_job: Callable[..., Job]) -> None:
     job = start_job("trainer.max_steps=200", "launch.max_restarts=1")
     first = kill_service(job, "reward")
