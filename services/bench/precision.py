@@ -20,7 +20,7 @@ from typing import Any
 from services.bench.async_ import launch_job
 from services.init_model import ensure_base_model
 from services.redis_server import RedisServer
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 
 log = logging.getLogger("jetroll.bench.precision")
 
@@ -33,6 +33,7 @@ def run_precision_bench(num_seeds: int, run_dir: Path, max_steps: int | None = N
                         overrides: list[str] = ()) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     base = load_config(CONFIG, [*overrides, *([f"trainer.max_steps={max_steps}"] if max_steps else [])])
+    _claim(run_dir, base.model_dump(mode="json", exclude={"job_id"}))  # each run gets its own job_id
     model_path = str(Path(ensure_base_model(base.model)).resolve())
     runs = []
     server = None
@@ -58,6 +59,14 @@ def run_precision_bench(num_seeds: int, run_dir: Path, max_steps: int | None = N
     result["plot"] = str(run_dir / "precision.png")
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _claim(run_dir: Path, tree: dict[str, Any]) -> None:
+    """Pin the run dir to one bench config, so a resumed bench never mixes runs of different configs."""
+    path = run_dir / "bench_config.json"
+    if path.exists() and json.loads(path.read_text()) != tree:
+        raise ConfigError(f"{run_dir} holds precision-bench runs of another config ({path}); pass a new --run-dir")
+    path.write_text(json.dumps(tree, indent=2))
 
 
 def run_one(tree: dict[str, Any], mode: str, seed: int, model_path: str, out: Path, redis_url: str) -> None:

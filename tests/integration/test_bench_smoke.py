@@ -114,3 +114,5 @@ def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
     started = time.perf_counter()
     again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
     assert again["runs"] == first["runs"] and time.perf_counter() - started < 60  # nothing ran again
+    other = subprocess.run([*cmd, "--set", "trainer.lr=0.5"], capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "holds precision-bench runs of another config" in other.stderr, other.stderr
