@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from shared.bus import job_key
 from shared.config import ConfigError, JobConfig, validate_config
 
 log = logging.getLogger("jetroll.ray")
@@ -248,7 +249,7 @@ class RayJob:
         # a replica deregisters itself on a graceful shutdown; one that crashed or was cut short leaves its entry
         client = redis.Redis.from_url(self.redis_url)
         try:
-            client.delete(f"jetroll:{self.config.job_id}:{REPLICAS}")
+            client.delete(job_key(self.config.job_id, REPLICAS))
         finally:
             client.close()
         for actor in self.actors.values():

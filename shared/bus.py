@@ -46,6 +46,11 @@ def _stream_entries(response: Any) -> list[tuple[Any, Any]]:
     return response[0][1]
 
 
+def job_key(job_id: str, name: str) -> str:
+    """The Redis key of one job's stream, hash or set: every job lives under its own prefix."""
+    return f"jetroll:{job_id}:{name}"
+
+
 class RedisBus:
     """Streams namespaced as `jetroll:{job_id}:{name}`; every method takes the short name, e.g. "traj:raw"."""
 
@@ -59,7 +64,7 @@ class RedisBus:
         self.redis: aioredis.Redis = aioredis.Redis.from_url(url, protocol=2)
 
     def key(self, name: str) -> str:
-        return f"jetroll:{self.job_id}:{name}"
+        return job_key(self.job_id, name)
 
     async def publish(self, stream: str, event: Event) -> str:
         """XADD one event; returns its entry id."""

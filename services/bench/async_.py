@@ -36,6 +36,7 @@ from services.bench.async_model import Durations, bound, expected_max_s, simulat
 from services.init_model import ensure_base_model
 from services.launcher import Launcher
 from services.redis_server import RedisServer
+from shared.bus import job_key
 from shared.config import ModelConfig, TimingEngineConfig, WarmStartConfig, validate_config
 
 log = logging.getLogger("jetroll.bench.async")
@@ -126,7 +127,7 @@ def launch_job(tree: dict, run_dir: Path, redis_url: str) -> None:
 def read_ledger(redis_url: str, job_id: str) -> dict[str, dict]:
     client = redis.Redis.from_url(redis_url)
     try:
-        return {k.decode(): json.loads(v) for k, v in client.hgetall(f"jetroll:{job_id}:ledger").items()}
+        return {k.decode(): json.loads(v) for k, v in client.hgetall(job_key(job_id, "ledger")).items()}
     finally:
         client.close()
 

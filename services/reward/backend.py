@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from services.reward.pool import RewardPool
+from shared.bus import job_key
 from shared.config import RewardConfig
 
 CallStatus = Literal["ok", "timeout", "error", "throttled"]
@@ -122,7 +123,7 @@ def setup_backend(name: str, config: RewardConfig, *, redis_url: str, job_id: st
 
         return CeleryBackend(
             config.celery_broker_url or redis_url,
-            key_prefix=f"jetroll:{job_id}:reward:celery",
+            key_prefix=job_key(job_id, "reward:celery"),
             queue=config.celery_queue,
             concurrency=config.celery_concurrency,
             soft_time_limit_s=config.timeout_s,
@@ -134,7 +135,7 @@ def setup_backend(name: str, config: RewardConfig, *, redis_url: str, job_id: st
 
         return LambdaBackend(
             redis_url,
-            key_prefix=f"jetroll:{job_id}:reward:lambda",
+            key_prefix=job_key(job_id, "reward:lambda"),
             default_function=config.lambda_function,
             functions=config.lambda_functions,
             endpoint_url=config.lambda_endpoint_url,
