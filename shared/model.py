@@ -247,8 +247,9 @@ class DecoderLayer(nn.Module):
 
 
 class LayerView:
-    """Where one forward writes its K/V: slots [0, n) decoding one token each, or one slot prefilling positions
-    `start`, start + 1, ... (start > 0 appends to a sequence already in the slot, e.g. an environment's observation).
+    """Where one forward writes its K/V: slots [0, n) decoding one token each, or prefill of positions
+    `start`, start + 1, ... into `slot`: one slot, or a tensor of slots (one per batch row, right-padded rows,
+    from start 0). start > 0 appends to a sequence already in the slot, e.g. an environment's observation.
 
     `rows`, `positions`, `length` and `blocked` are shared by every layer of one forward; `blocked`
     [n, 1, 1, L] marks cache positions past a sequence's own.
@@ -258,7 +259,7 @@ class LayerView:
         self,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slot: int | None,
+        slot: int | torch.Tensor | None,
         rows: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         length: int = 0,
@@ -270,13 +271,13 @@ class LayerView:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """k, v: [B, S, KV, D]. Prefill from 0 returns k, v as given; an append and decode return cache views."""
-        if self.slot is not None:  # prefill: one sequence, positions start..start+S-1
+        if self.slot is not None:  # prefill: positions start..start+S-1 of each row's slot
             end = self.start + k.shape[1]
-            self.k_cache[self.slot, :, self.start : end] = k[0].transpose(0, 1)
-            self.v_cache[self.slot, :, self.start : end] = v[0].transpose(0, 1)
+            slots = self.slot if isinstance(self.slot, torch.Tensor) else slice(self.slot, self.slot + 1)
+            self.k_cache[slots, :, self.start : end] = k.transpose(1, 2)
+            self.v_cache[slots, :, self.start : end] = v.transpose(1, 2)
             if self.start:
-                rows = slice(self.slot, self.slot + 1)
-                return self.k_cache[rows, :, :end], self.v_cache[rows, :, :end], None
+                return self.k_cache[slots, :, :end], self.v_cache[slots, :, :end], None
             return k, v, None
         assert self.rows is not None and self.positions is not None
         n, length = self.rows.shape[0], self.length
@@ -316,14 +317,16 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        slot: int | None = None,
+        slot: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, S, V] in fp32.
 
         No cache: a causal full-sequence forward (training, scoring). With a cache and `slot`: prefill
         one sequence [1, S] into that slot at consecutive `positions` [S] (from 0, or appended after the
-        slot's cached positions 0..positions[0]-1). With a cache and no slot: decode one token [n, 1] for
-        slots 0..n-1 at `positions` [n].
+        slot's cached positions 0..positions[0]-1); a tensor of slots [B] prefills B right-padded sequences
+        [B, S] from position 0, one per slot (padding writes only cache positions that decode overwrites
+        before it reads them). With a cache and no slot: decode one token [n, 1] for slots 0..n-1 at
+        `positions` [n].
         """
         bsz, seq = input_ids.shape
         if positions is None:

@@ -20,6 +20,8 @@ from shared import exact
 from shared.model import CausalLM, KVCache, load_state
 from shared.precision import PACKED_MIN_ROWS
 
+RECOMPUTE_TOKENS = 8192  # padded tokens per batched KV-recompute forward on a weight swap (bounds its memory)
+
 
 @dataclass(slots=True)
 class Request:
@@ -133,9 +135,19 @@ class Engine:
         self.version = version
         if recompute_kv:
             held = [*enumerate(self.running), *((self._paused_slot(j), r) for j, r in enumerate(self.paused))]
-            for slot, request in held:
-                ids = (request.prompt_ids + request.output_ids)[:-1]
-                self.model(torch.tensor([ids]), torch.arange(len(ids)), self.cache, slot=slot)
+            held.sort(key=lambda item: item[1].num_tokens)
+            # batched prefills of similar lengths: one forward per sequence made a swap cost ~8 decode steps
+            while held:
+                chunk = [held.pop()]
+                width = chunk[0][1].num_tokens - 1
+                while held and (len(chunk) + 1) * width <= RECOMPUTE_TOKENS:
+                    chunk.append(held.pop())
+                ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                for row, (_, request) in enumerate(chunk):
+                    cached = (request.prompt_ids + request.output_ids)[:-1]
+                    ids[row, : len(cached)] = torch.tensor(cached)
+                slots = torch.tensor([slot for slot, _ in chunk])
+                self.model(ids, torch.arange(width), self.cache, slot=slots)
 
     def resume(self, request: Request, observation_ids: list[int]) -> None:
         """Continue a paused sequence with its environment's observation (loss_mask 0, log-prob 0, tagged with the

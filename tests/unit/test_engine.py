@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.rollout import engine as engine_module
 from services.rollout.engine import Engine, Request
 from shared.model import CausalLM, ModelArgs
 
@@ -119,10 +120,12 @@ def test_top_p_never_samples_outside_the_nucleus() -> None:
     assert num_outside_if_unrestricted > 0  # the nucleus really excluded tokens
 
 
-def test_swap_weights_recomputes_kv_and_tags_versions() -> None:
+@pytest.mark.parametrize("recompute_tokens", [8192, 24])  # 24: ragged chunks of one and two sequences
+def test_swap_weights_recomputes_kv_and_tags_versions(recompute_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "RECOMPUTE_TOKENS", recompute_tokens)
     model, new_model = tiny_model(seed=0), tiny_model(seed=7)
-    engine = Engine(model, EOS, max_batch=2, max_len=64)
-    requests = [Request(f"s{i}", prompt(5 + i, 40 + i), 12, temperature=0.0, ignore_eos=True) for i in range(2)]
+    engine = Engine(model, EOS, max_batch=4, max_len=64)
+    requests = [Request(f"s{i}", prompt(3 + 3 * i, 40 + i), 12, temperature=0.0, ignore_eos=True) for i in range(4)]
     engine.add(requests)
     for _ in range(6):
         engine.step()
