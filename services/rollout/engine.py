@@ -136,7 +136,7 @@ class Engine:
         if recompute_kv:
             held = [*enumerate(self.running), *((self._paused_slot(j), r) for j, r in enumerate(self.paused))]
             held.sort(key=lambda item: item[1].num_tokens)
-            # batched prefills of similar lengths: one forward per sequence made a swap cost ~8 decode steps
+            # batched prefills of similar lengths: a forward per sequence was most of the default job's rollout time
             while held:
                 chunk = [held.pop()]
                 width = chunk[0][1].num_tokens - 1
