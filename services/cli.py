@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every client
     if args.command in ("run", "bench"):
         signal.signal(signal.SIGTERM, _interrupt)
+        # a shell starts `cmd &` with SIGINT ignored, and Python keeps that: make `kill -INT` stop the job anyway
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.command == "run":
             from services.jobs import load_job_config

@@ -75,8 +75,9 @@ def service_logs(run_dir: Path) -> str:
 
 
 def launch(workdir: Path, redis_url: str, model_path: str, *overrides: str, job_id: str | None = None,
-           run_dir: Path | None = None) -> Job:
-    """Start `jetroll run configs/smoke.yaml` on the test Redis with the session's base model."""
+           run_dir: Path | None = None, ignore_sigint: bool = False) -> Job:
+    """Start `jetroll run configs/smoke.yaml` on the test Redis with the session's base model (`ignore_sigint`:
+    started as a shell starts `cmd &`, with SIGINT ignored)."""
     job_id = job_id or f"t{uuid.uuid4().hex[:8]}"
     run_dir = run_dir or workdir / job_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,8 @@ def launch(workdir: Path, redis_url: str, model_path: str, *overrides: str, job_
         cmd += ["--set", item]
     logs = {name: workdir / f"{job_id}-{uuid.uuid4().hex[:4]}.{name}" for name in ("stdout", "stderr")}
     with logs["stdout"].open("wb") as out, logs["stderr"].open("wb") as err:
-        process = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=workdir)
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+        process = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=workdir, preexec_fn=ignore)
     return Job(job_id, run_dir, process, logs)
 
 
@@ -105,8 +107,8 @@ def stop(job: Job) -> None:
 def start_job(tmp_path: Path, redis_url: str, model_path: str) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def start(*overrides: str) -> Job:
-        jobs.append(launch(tmp_path, redis_url, model_path, *overrides))
+    def start(*overrides: str, ignore_sigint: bool = False) -> Job:
+        jobs.append(launch(tmp_path, redis_url, model_path, *overrides, ignore_sigint=ignore_sigint))
         return jobs[-1]
 
     yield start
@@ -284,12 +286,14 @@ def test_nothing_lost_when_rollout_and_reward_are_killed(start_job: Callable[...
     assert all(o["status"] == "trained" for o in ledger.values()), ledger  # rewards never fail here
 
 
-def test_sigterm_stops_the_job_and_its_services(start_job: Callable[..., Job]) -> None:
-    """`kill PID` of `jetroll run` stops every service it started, instead of leaving them orphaned."""
-    job = start_job("trainer.max_steps=200")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_the_job_and_its_services(start_job: Callable[..., Job], signum: signal.Signals) -> None:
+    """`kill PID` of `jetroll run` stops every service it started, instead of leaving them orphaned; so does
+    `kill -INT` of a job a shell started in the background (SIGINT ignored at start)."""
+    job = start_job("trainer.max_steps=200", ignore_sigint=signum == signal.SIGINT)
     wait_for(lambda: len(job.metrics()) >= 2, job, "2 steps")
     assert service_pids(None, job.config_path), "no services to stop"
-    job.process.send_signal(signal.SIGTERM)
+    job.process.send_signal(signum)
     assert job.process.wait(timeout=60) == 130, job.stderr()
     assert "interrupted; stopping services" in job.stderr()
     assert service_pids(None, job.config_path) == []
