@@ -71,16 +71,16 @@ def ppo_loss(
     loss_mask: torch.Tensor,
     cfg: TrainerConfig,
     *,
-    dr_grpo_denominator: float | None = None,
+    denominator: float | None = None,
     ref_logp: torch.Tensor | None = None,
     correction: PrecisionConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss over token tensors [B, T]; returns (scalar loss, float stats).
 
     `advantages` is [B] (one per sequence, broadcast over tokens) or [B, T]. The summed token loss
-    is divided by the number of loss_mask == 1 tokens counted before band masking, or by the
-    constant `dr_grpo_denominator` (batch x max_new_tokens) when given. `correction` picks the
-    behaviour correction (`behavior_correction`).
+    is divided by the number of loss_mask == 1 tokens counted before band masking, or by `denominator` when given:
+    Dr.GRPO's constant (batch x max_new_tokens), or the token count of a batch some rows of which were left out.
+    `correction` picks the behaviour correction (`behavior_correction`).
     """
     mask = loss_mask.float()
     adv = advantages.float()
@@ -88,7 +88,7 @@ def ppo_loss(
         adv = adv.unsqueeze(-1)
     adv = adv.expand_as(logp)
     num_tokens = mask.sum()
-    denom = float(dr_grpo_denominator) if dr_grpo_denominator is not None else num_tokens.clamp(min=1.0)
+    denom = float(denominator) if denominator is not None else num_tokens.clamp(min=1.0)
     prox_logp = prox_logp.detach()
     behavior_logp = behavior_logp.detach()
 

@@ -29,6 +29,21 @@ log = logging.getLogger("jetroll.trainer")
 STREAM, GROUP = "traj:scored", "trainer"
 
 
+def gradient_rows(rewards: torch.Tensor, has_kl: bool) -> torch.Tensor:
+    """Which sequences of a [num_groups, group_size] reward batch need the gradient pass, as a flat bool [B]: those
+    of groups whose rewards differ (the rest have zero advantage in GRPO and Dr.GRPO), or all under a KL term."""
+    varies = rewards.amax(dim=-1) > rewards.amin(dim=-1)
+    if has_kl:
+        varies = torch.ones_like(varies)
+    return varies.repeat_interleave(rewards.shape[-1])
+
+
+def policy_width(loss_mask: torch.Tensor) -> int:
+    """Columns up to the last policy token of any row: a causal model's log-probs there do not see the padding after."""
+    columns = loss_mask.sum(dim=0).nonzero()
+    return int(columns.max()) + 1 if len(columns) else loss_mask.shape[1]
+
+
 def proximal_logprobs(
     model: CausalLM, input_ids: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
 ) -> torch.Tensor:
@@ -230,23 +245,41 @@ class Trainer:
         is_exact = self.config.precision.backend == "exact"
         if is_exact:  # pi_prox from the exact backend; the gradient pass below stays on `fast`
             prox_logp = proximal_logprobs(self.model, batch.input_ids, batch.targets, batch.temperature)
-        logits = self.model(batch.input_ids)
-        logp = token_logprobs(logits, batch.targets, batch.temperature)
-        if not is_exact:
-            # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
-            prox_logp = logp.detach()
-        ref_logp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logp = token_logprobs(self.reference(batch.input_ids), batch.targets, batch.temperature)
-        denominator = None
+        else:
+            prox_logp = torch.zeros_like(batch.behavior_logp)
+        # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
+        # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
+        rows = gradient_rows(batch.rewards, has_kl=self.reference is not None)
+        idle = (~rows).nonzero().squeeze(-1)
+        if not is_exact and len(idle):
+            width = policy_width(batch.loss_mask[idle])
+            prox_logp[idle, :width] = proximal_logprobs(self.model, batch.input_ids[idle, :width],
+                                                        batch.targets[idle, :width], batch.temperature[idle])
+        # the PPO loss divides by the whole batch's policy tokens (or Dr.GRPO's constant), skipped rows included
         if cfg.advantage == "dr_grpo":
             denominator = float(len(advantages) * batch.loss_mask.shape[1])
-        loss, stats = ppo_loss(logp, prox_logp, batch.behavior_logp, advantages, loss_mask, cfg,
-                               dr_grpo_denominator=denominator, ref_logp=ref_logp)
-        loss.backward()
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
-        self.optimizer.step()
+        else:
+            denominator = float(loss_mask.sum().clamp(min=1.0))
+        stats: dict[str, float] = {"grad_rows_frac": float(rows.float().mean())}
+        if rows.any():  # with no signal at all there is nothing to step on (not even Adam's momentum)
+            trained = rows.nonzero().squeeze(-1)
+            width = policy_width(batch.loss_mask[trained])
+            input_ids, targets = batch.input_ids[trained, :width], batch.targets[trained, :width]
+            logp = token_logprobs(self.model(input_ids), targets, batch.temperature[trained])
+            if not is_exact:
+                # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
+                prox_logp[trained, :width] = logp.detach()
+            ref_logp = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp = token_logprobs(self.reference(input_ids), targets, batch.temperature[trained])
+            loss, loss_stats = ppo_loss(
+                logp, prox_logp[trained, :width], batch.behavior_logp[trained, :width], advantages[trained],
+                loss_mask[trained, :width], cfg, denominator=denominator, ref_logp=ref_logp)
+            loss.backward()
+            stats |= loss_stats
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+            self.optimizer.step()
         stats.update(self._staleness_stats(batch, prox_logp))
         stats.update(self._task_stats(batch))
         return stats

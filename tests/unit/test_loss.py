@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
+from services.trainer.trainer import gradient_rows, policy_width
 from shared.config import TrainerConfig
+from shared.model import CausalLM, ModelArgs
 
 
 def _cfg(**kw: object) -> TrainerConfig:
@@ -176,7 +178,7 @@ def test_dr_grpo_constant_denominator() -> None:
     adv = torch.tensor([1.0, -0.5])
     denom = 2 * 16.0  # batch x max_new_tokens
     loss, grad, stats = _grad(
-        logp, logp.detach(), logp.detach(), adv, mask, _cfg(), dr_grpo_denominator=denom
+        logp, logp.detach(), logp.detach(), adv, mask, _cfg(), denominator=denom
     )
     torch.testing.assert_close(grad, -adv[:, None] * mask / denom)
     assert loss.item() == pytest.approx(-(1.0 + 1.0 - 0.5) / denom)
@@ -245,3 +247,52 @@ def test_token_logprobs_fp32_from_bf16_logits() -> None:
     out = token_logprobs(logits, targets, 1.0)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, _manual_logprobs(logits.float(), targets, [1.0]))
+
+
+# ---------------------------------------------------------------- rows the trainer leaves out of the gradient pass
+
+
+def test_gradient_rows_and_policy_width() -> None:
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.5, 0.0], [0.2, 0.2, 0.2]])
+    assert gradient_rows(rewards, has_kl=False).tolist() == [False] * 3 + [True] * 3 + [False] * 3
+    assert gradient_rows(rewards, has_kl=True).all()
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0, 0.0]])
+    assert policy_width(mask) == 4
+    assert policy_width(torch.zeros(2, 5)) == 5
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo"])
+def test_leaving_out_zero_advantage_rows_keeps_the_gradient(advantage: str) -> None:
+    """The trainer's shortcut: rows of constant-reward groups, trimmed to the policy width, with the whole batch's
+    denominator, give the same parameter gradient as the full padded batch."""
+    torch.manual_seed(0)
+    model = CausalLM(ModelArgs(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                               intermediate_size=64, max_position_embeddings=64))
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.3, 0.3]])
+    advantages = group_advantages(rewards, advantage).flatten()  # type: ignore[arg-type]
+    input_ids = torch.randint(1, 16, (6, 9))
+    targets = torch.randint(1, 16, (6, 9))
+    mask = torch.zeros(6, 9)
+    mask[:, 3:6] = 1.0
+    mask[0, 3:9] = 1.0  # the longest row has zero advantage, so the trimmed pass is narrower
+    jitter = torch.randn(6, 9) * 0.05  # mu a little off pi_prox, so the behaviour weight is not 1
+    cfg = _cfg(advantage=advantage)
+    denominator = float(6 * 9) if advantage == "dr_grpo" else float(mask.sum())
+
+    def grads(rows: torch.Tensor, width: int) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logp = token_logprobs(model(input_ids[rows, :width]), targets[rows, :width], 1.0)
+        behavior = logp.detach() + jitter[rows, :width]
+        loss, _ = ppo_loss(logp, logp.detach(), behavior, advantages[rows], mask[rows, :width], cfg,
+                           denominator=denominator)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    keep = gradient_rows(rewards, has_kl=False).nonzero().squeeze(-1)
+    assert keep.tolist() == [2, 3]
+    full = grads(torch.arange(6), 9)
+    part = grads(keep, policy_width(mask[keep]))
+    assert policy_width(mask[keep]) == 6
+    assert any(g.abs().max() > 1e-4 for g in full)
+    for g_full, g_part in zip(full, part, strict=True):
+        torch.testing.assert_close(g_part, g_full, rtol=1e-5, atol=1e-7)
