@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -27,6 +26,7 @@ from services.evaluate import evaluate
 from shared.config import ModelConfig
 from shared.env import is_multi_turn
 from shared.model import CausalLM, ModelArgs, load_state, save_pretrained
+from shared.schedule import cosine_lr
 from shared.tasks import get_task
 from shared.tokenizer import Tokenizer, build_char_tokenizer
 
@@ -93,13 +93,9 @@ def sft_batch(
     return inputs, targets
 
 
-def lr_at(step: int, num_steps: int, peak_lr: float) -> float:
+def sft_lr(step: int, num_steps: int, peak_lr: float) -> float:
     """Linear warmup over the first 5% of steps, then cosine decay to 10% of the peak."""
-    warmup = max(1, num_steps // 20)
-    if step < warmup:
-        return peak_lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, num_steps - warmup)
-    return peak_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+    return cosine_lr(step, num_steps, peak_lr, warmup_steps=max(1, num_steps // 20), final_ratio=0.1)
 
 
 def _progress(enabled: bool) -> Progress:
@@ -152,7 +148,7 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, warm.steps, warm.lr)
+                group["lr"] = sft_lr(step, warm.steps, warm.lr)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

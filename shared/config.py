@@ -215,7 +215,11 @@ class TrainerConfig(Strict):
     max_steps: int = Field(60, ge=1, description="optimizer steps; one weight version each")
     groups_per_step: int = Field(16, ge=1, description="B: groups per optimizer step")
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
-    lr: float = Field(2e-4, gt=0, description="AdamW learning rate")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate (the peak, under a cosine schedule)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="cosine: decay from `lr` at step 0 to lr x lr_final_ratio at max_steps; annealing "
+        "averages out the sampling noise of the last updates")
+    lr_final_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the final lr as a fraction of `lr`")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="global grad-norm clip")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip, low side")

@@ -22,6 +22,7 @@ from shared.config import JobConfig
 from shared.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent
 from shared.model import CausalLM, load_pretrained, load_state, save_pretrained
 from shared.precision import published_dtype
+from shared.schedule import cosine_lr
 from shared.store import Manifest, WeightStore
 
 log = logging.getLogger("jetroll.trainer")
@@ -260,7 +261,7 @@ class Trainer:
             denominator = float(len(advantages) * batch.loss_mask.shape[1])
         else:
             denominator = float(loss_mask.sum().clamp(min=1.0))
-        stats: dict[str, float] = {"grad_rows_frac": float(rows.float().mean())}
+        stats: dict[str, float] = {"grad_rows_frac": float(rows.float().mean()), "lr": self._lr()}
         if rows.any():  # with no signal at all there is nothing to step on (not even Adam's momentum)
             trained = rows.nonzero().squeeze(-1)
             width = policy_width(batch.loss_mask[trained])
@@ -279,10 +280,19 @@ class Trainer:
             loss.backward()
             stats |= loss_stats
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"] = stats["lr"]
             self.optimizer.step()
         stats.update(self._staleness_stats(batch, prox_logp))
         stats.update(self._task_stats(batch))
         return stats
+
+    def _lr(self) -> float:
+        """This step's learning rate: a pure function of the version, so a resumed run picks the schedule up."""
+        cfg = self.config.trainer
+        if cfg.lr_schedule == "constant":
+            return cfg.lr
+        return cosine_lr(self.version, cfg.max_steps, cfg.lr, warmup_steps=0, final_ratio=cfg.lr_final_ratio)
 
     def _staleness_stats(self, batch: TokenBatch, prox_logp: torch.Tensor) -> dict[str, float]:
         mask = batch.loss_mask > 0

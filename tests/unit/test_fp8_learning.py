@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.init_model import IGNORE_INDEX, init_weights, lr_at, model_args, sft_batch
+from services.init_model import IGNORE_INDEX, init_weights, model_args, sft_batch, sft_lr
 from shared.config import ModelConfig, PrecisionConfig
 from shared.model import CausalLM
 from shared.tokenizer import build_char_tokenizer
@@ -38,7 +38,7 @@ def train(precision: PrecisionConfig) -> tuple[float, float]:
         inputs, targets = sft_batch(tokenizer, ["arithmetic"], BATCH, rng)
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, STEPS, LR)
+            group["lr"] = sft_lr(step, STEPS, LR)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
