@@ -220,6 +220,8 @@ class TrainerConfig(Strict):
         "constant", description="cosine: decay from `lr` at step 0 to lr x lr_final_ratio at max_steps; annealing "
         "averages out the sampling noise of the last updates")
     lr_final_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the final lr as a fraction of `lr`")
+    lr_decay_frac: float = Field(1.0, gt=0, le=1, description="cosine: the decay spans this last fraction of "
+                                 "max_steps; before it the lr holds at `lr` (stable, then decay)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="global grad-norm clip")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip, low side")

@@ -167,12 +167,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
         return torch.cat((q, k), dim=2), v
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: LayerView | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, cache: LayerView | None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         qk, v = self._qkv(x)
         qk = apply_rope(qk, *rope)
         q, k = qk[:, :, : self.num_heads], qk[:, :, self.num_heads :]
         if use_exact(self.precision):
+            if attn_mask is not None:
+                raise ValueError("the exact backend runs causal attention only; pass no attn_mask")
             return self.o_proj(self._exact(q, k, v, cache))
         if cache is not None and cache.slot is None:  # decode: one query per sequence
             k, v, blocked = cache.update(k, v)
@@ -192,7 +195,10 @@ class Attention(nn.Module):
         if cache is not None:
             cache.update(k, v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if attn_mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None], enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
     def _exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerView | None) -> torch.Tensor:
@@ -241,8 +247,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, precision)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, precision)
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: LayerView | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+    def forward(self, x: torch.Tensor, rope: Rope, cache: LayerView | None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -318,10 +325,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         slot: int | torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, S, V] in fp32.
 
-        No cache: a causal full-sequence forward (training, scoring). With a cache and `slot`: prefill
+        No cache: a causal full-sequence forward (training, scoring), or with `attn_mask` [B, S, S] (True where
+        query row s may see key column s') and `positions` [B, S] any other attention pattern, such as the
+        trainer's groups packed behind one shared prompt (not on the exact backend). With a cache and `slot`: prefill
         one sequence [1, S] into that slot at consecutive `positions` [S] (from 0, or appended after the
         slot's cached positions 0..positions[0]-1); a tensor of slots [B] prefills B right-padded sequences
         [B, S] from position 0, one per slot (padding writes only cache positions that decode overwrites
@@ -340,7 +350,7 @@ class CausalLM(nn.Module):
         if cache is not None:
             start = int(positions[0, 0])
             views = [LayerView(k, v, slot, start=start) for k, v in zip(cache.k, cache.v, strict=True)]
-        return self._layers(input_ids, rope, views)
+        return self._layers(input_ids, rope, views, attn_mask)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, length: int) -> torch.Tensor:
         """One token [n, 1] for cache slots 0..n-1 at `positions` [n]; `length` = max(positions) + 1.
@@ -352,10 +362,11 @@ class CausalLM(nn.Module):
         views = [LayerView(k, v, None, rows, positions, length, blocked) for k, v in zip(cache.k, cache.v, strict=True)]
         return self._layers(input_ids, self._rope(positions[:, None]), views)
 
-    def _layers(self, input_ids: torch.Tensor, rope: Rope, views: list[LayerView | None]) -> torch.Tensor:
+    def _layers(self, input_ids: torch.Tensor, rope: Rope, views: list[LayerView | None],
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         for layer, view in zip(self.model.layers, views, strict=True):
-            x = layer(x, rope, view)
+            x = layer(x, rope, view, attn_mask)
         if use_exact(self.precision):
             return exact.fp32_linear(self.model.norm(x), self.lm_head.weight)
         return self.lm_head(self.model.norm(x)).float()

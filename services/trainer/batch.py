@@ -99,6 +99,7 @@ class TokenBatch:
     behavior_logp: torch.Tensor
     v_tok: torch.Tensor
     temperature: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [B] input tokens of each row, the rest is padding
     rewards: torch.Tensor  # [G, group_size]
     tasks: list[str]  # per sequence
     is_correct: list[bool]  # per sequence
@@ -130,7 +131,59 @@ def collate(groups: list[PendingGroup], pad_id: int) -> TokenBatch:
     return TokenBatch(
         input_ids=input_ids, targets=targets, loss_mask=loss_mask, behavior_logp=behavior, v_tok=v_tok,
         temperature=torch.tensor([e.trajectory.temperature for e in events]),
+        lengths=torch.tensor([len(s) - 1 for s in seqs]),
         rewards=torch.tensor([[e.reward for e in g.events] for g in groups], dtype=torch.float32),
         tasks=[e.trajectory.task for e in events],
         is_correct=[bool(e.details.get("correct", False)) for e in events],
     )
+
+
+@dataclass(slots=True)
+class PackedGroups:
+    """Each group's rows as one sequence: their common prefix once, then each row's own tail. [G, S]
+
+    A tail token sees the prefix and its own row's earlier tokens, at its row's positions, so its logits are those
+    of the row layout; `index` [n, W] maps each row-layout position to its flat position in [G * S]."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_mask: torch.Tensor  # [G, S, S]
+    index: torch.Tensor
+
+
+def pack_groups(input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int, pad_id: int) -> PackedGroups:
+    """Pack rows [n, W] (whole groups of `group_size` consecutive rows, `lengths` [n] real tokens each): GRPO's
+    samples share their prompt, so the trainer's forward and backward run it once per group, not once per sample."""
+    num_rows, width = input_ids.shape
+    rows = [input_ids[i, : int(lengths[i])] for i in range(num_rows)]
+    tokens, positions, owners = [], [], []
+    index = torch.zeros(num_rows, width, dtype=torch.long)
+    for start in range(0, num_rows, group_size):
+        group = rows[start : start + group_size]
+        shortest = min(len(r) for r in group)
+        differs = torch.stack([r[:shortest] for r in group]).ne(group[0][:shortest]).any(dim=0).nonzero()
+        common = int(differs[0]) if len(differs) else shortest
+        parts, part_positions, part_owners = [group[0][:common]], [torch.arange(common)], [torch.full((common,), -1)]
+        offset = common
+        for k, row in enumerate(group):
+            i = start + k
+            index[i, :common] = torch.arange(common)
+            index[i, common : len(row)] = torch.arange(offset, offset + len(row) - common)
+            parts.append(row[common:])
+            part_positions.append(torch.arange(common, len(row)))
+            part_owners.append(torch.full((len(row) - common,), k))
+            offset += len(row) - common
+        tokens.append(torch.cat(parts))
+        positions.append(torch.cat(part_positions))
+        owners.append(torch.cat(part_owners))
+    seq = max(len(t) for t in tokens)
+    num_groups = len(tokens)
+    packed = torch.full((num_groups, seq), pad_id, dtype=torch.long)
+    packed_positions = torch.zeros(num_groups, seq, dtype=torch.long)
+    owner = torch.full((num_groups, seq), -2, dtype=torch.long)  # padding: sees position 0 only, never seen
+    for g, (t, p, o) in enumerate(zip(tokens, positions, owners, strict=True)):
+        packed[g, : len(t)], packed_positions[g, : len(t)], owner[g, : len(t)] = t, p, o
+        index[g * group_size : (g + 1) * group_size] += g * seq
+    is_shared_or_own = (owner[:, None, :] == -1) | (owner[:, None, :] == owner[:, :, None])
+    attn_mask = is_shared_or_own & (packed_positions[:, None, :] <= packed_positions[:, :, None])
+    return PackedGroups(packed, packed_positions, attn_mask, index)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.controller.admission import IN_FLIGHT, task_quotas
-from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate
+from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
 from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
 from services.trainer.mismatch import mismatch_stats
 from services.trainer.staleness import staleness_stats
@@ -254,8 +254,9 @@ class Trainer:
         idle = (~rows).nonzero().squeeze(-1)
         if not is_exact and len(idle):
             width = policy_width(batch.loss_mask[idle])
-            prox_logp[idle, :width] = proximal_logprobs(self.model, batch.input_ids[idle, :width],
-                                                        batch.targets[idle, :width], batch.temperature[idle])
+            with torch.no_grad():
+                prox_logp[idle, :width] = token_logprobs(self._group_logits(self.model, batch, idle, width),
+                                                         batch.targets[idle, :width], batch.temperature[idle])
         # the PPO loss divides by the whole batch's policy tokens (or Dr.GRPO's constant), skipped rows included
         if cfg.advantage == "dr_grpo":
             denominator = float(len(advantages) * batch.loss_mask.shape[1])
@@ -265,15 +266,17 @@ class Trainer:
         if rows.any():  # with no signal at all there is nothing to step on (not even Adam's momentum)
             trained = rows.nonzero().squeeze(-1)
             width = policy_width(batch.loss_mask[trained])
-            input_ids, targets = batch.input_ids[trained, :width], batch.targets[trained, :width]
-            logp = token_logprobs(self.model(input_ids), targets, batch.temperature[trained])
+            targets = batch.targets[trained, :width]
+            logp = token_logprobs(self._group_logits(self.model, batch, trained, width), targets,
+                                  batch.temperature[trained])
             if not is_exact:
                 # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
                 prox_logp[trained, :width] = logp.detach()
             ref_logp = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logp = token_logprobs(self.reference(input_ids), targets, batch.temperature[trained])
+                    ref_logp = token_logprobs(self._group_logits(self.reference, batch, trained, width), targets,
+                                              batch.temperature[trained])
             loss, loss_stats = ppo_loss(
                 logp, prox_logp[trained, :width], batch.behavior_logp[trained, :width], advantages[trained],
                 loss_mask[trained, :width], cfg, denominator=denominator, ref_logp=ref_logp)
@@ -287,12 +290,21 @@ class Trainer:
         stats.update(self._task_stats(batch))
         return stats
 
+    def _group_logits(self, model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Logits [n, width, V] of `rows` (whole groups) in the row layout, from one forward of each group packed
+        behind its shared prompt: about half the tokens of the padded rows for short answers."""
+        packed = pack_groups(batch.input_ids[rows], batch.lengths[rows], batch.rewards.shape[1], self.tokenizer.pad_id)
+        logits = model(packed.input_ids, packed.positions, attn_mask=packed.attn_mask)
+        return logits.flatten(0, 1)[packed.index[:, :width]]
+
     def _lr(self) -> float:
         """This step's learning rate: a pure function of the version, so a resumed run picks the schedule up."""
         cfg = self.config.trainer
         if cfg.lr_schedule == "constant":
             return cfg.lr
-        return cosine_lr(self.version, cfg.max_steps, cfg.lr, warmup_steps=0, final_ratio=cfg.lr_final_ratio)
+        hold_steps = round(cfg.max_steps * (1 - cfg.lr_decay_frac))
+        return cosine_lr(self.version, cfg.max_steps, cfg.lr, warmup_steps=0, final_ratio=cfg.lr_final_ratio,
+                         hold_steps=hold_steps)
 
     def _staleness_stats(self, batch: TokenBatch, prox_logp: torch.Tensor) -> dict[str, float]:
         mask = batch.loss_mask > 0

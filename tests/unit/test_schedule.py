@@ -26,6 +26,14 @@ def test_warmup_is_linear_then_cosine() -> None:
     assert cosine_lr(22, 40, 1.0, warmup_steps=4, final_ratio=0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi / 2)))
 
 
+def test_hold_keeps_the_peak_then_decays_over_the_rest() -> None:
+    values = [cosine_lr(s, 100, 1.0, warmup_steps=0, final_ratio=0.0, hold_steps=60) for s in range(101)]
+    assert values[:61] == [1.0] * 61
+    assert values[80] == pytest.approx(0.5)
+    assert values[100] == pytest.approx(0.0, abs=1e-12)
+    assert all(a > b for a, b in zip(values[60:], values[61:], strict=False))
+
+
 def test_sft_schedule_is_the_warm_start_one() -> None:
     """5% linear warmup, then cosine to 10% of the peak: the values the cached base models were built with."""
     assert sft_lr(0, 5250, 2e-3) == 2e-3 / 262
@@ -39,3 +47,5 @@ def test_trainer_schedule_is_validated() -> None:
         load_config(None, ["trainer.lr_schedule=linear"])
     with pytest.raises(ConfigError, match="trainer.lr_final_ratio"):
         load_config(None, ["trainer.lr_final_ratio=2"])
+    with pytest.raises(ConfigError, match="trainer.lr_decay_frac"):
+        load_config(None, ["trainer.lr_decay_frac=0"])

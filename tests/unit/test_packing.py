@@ -1,0 +1,100 @@
+"""The trainer's packed forward: each group's shared prompt once, then each sample's tail, gives the row layout's
+logits and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.batch import pack_groups
+from services.trainer.loss import ppo_loss, token_logprobs
+from shared.config import PrecisionConfig, TrainerConfig
+from shared.model import CausalLM, ModelArgs
+
+PAD = 0
+
+
+def _rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three groups of three right-padded rows: a short prompt, a long prompt whose samples also share their first
+    answer token, and a group with two identical samples and one that is a prefix of the others."""
+    group_rows = [
+        [[5, 6, 7, 3], [5, 6, 7, 4, 9, 9], [5, 6, 7, 8, 2]],
+        [[5, 9, 9, 9, 6, 7, 2, 3, 4], [5, 9, 9, 9, 6, 7, 2, 8], [5, 9, 9, 9, 6, 7, 2, 3, 11, 12, 13]],
+        [[4, 4, 8, 10, 3], [4, 4, 8, 10, 3], [4, 4, 8]],
+    ]
+    rows = [r for group in group_rows for r in group]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+    return input_ids, torch.tensor([len(r) for r in rows])
+
+
+def _model(mode: str) -> CausalLM:
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=16, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                     intermediate_size=256, max_position_embeddings=64)
+    return CausalLM(args, PrecisionConfig(mode=mode))
+
+
+def test_pack_groups_shares_each_groups_common_prefix() -> None:
+    input_ids, lengths = _rows()
+    packed = pack_groups(input_ids, lengths, group_size=3, pad_id=PAD)
+    # group 0: prefix 3 + tails 1, 3, 2; group 1: prefix 7 + tails 2, 1, 4; group 2: prefix 3 + tails 2, 2, 0
+    assert packed.input_ids.shape == (3, 14)
+    assert packed.input_ids[0, :9].tolist() == [5, 6, 7, 3, 4, 9, 9, 8, 2]
+    assert packed.positions[0, :9].tolist() == [0, 1, 2, 3, 3, 4, 5, 3, 4]
+    assert packed.input_ids[2, :7].tolist() == [4, 4, 8, 10, 3, 10, 3]
+    # a tail sees the prefix and its own earlier tokens, never another tail; the prefix never sees a tail
+    mask = packed.attn_mask[0]
+    assert mask[5].tolist()[:9] == [True, True, True, False, True, True, False, False, False]
+    assert not mask[:3, 3:].any()
+    # every real row position maps to the packed position holding the same token
+    flat = packed.input_ids.flatten()
+    for i in range(len(lengths)):
+        assert flat[packed.index[i, : lengths[i]]].tolist() == input_ids[i, : lengths[i]].tolist()
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp8_unified"])
+def test_packed_forward_matches_the_row_layout(mode: str) -> None:
+    model = _model(mode)
+    input_ids, lengths = _rows()
+    packed = pack_groups(input_ids, lengths, group_size=3, pad_id=PAD)
+    is_real = torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]
+    with torch.no_grad():
+        rows = model(input_ids)
+        from_packed = model(packed.input_ids, packed.positions, attn_mask=packed.attn_mask).flatten(0, 1)[packed.index]
+    assert rows.abs().max() > 0.1
+    torch.testing.assert_close(from_packed[is_real], rows[is_real], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_gradient_matches_the_row_layout() -> None:
+    model = _model("fp32")
+    input_ids, lengths = _rows()
+    targets = input_ids.roll(-1, dims=1)
+    loss_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None] - 1).float()
+    loss_mask[:, :2] = 0.0  # the prompt's first tokens are not policy tokens
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.2, -0.7, 0.5, 0.0, 1.0, -1.0])
+    packed = pack_groups(input_ids, lengths, group_size=3, pad_id=PAD)
+
+    def grads(logits_of: object) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logp = token_logprobs(logits_of(), targets, 1.0)  # type: ignore[operator]
+        loss, _ = ppo_loss(logp, logp.detach(), logp.detach() - 0.05, advantages, loss_mask, TrainerConfig())
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    by_rows = grads(lambda: model(input_ids))
+    by_groups = grads(lambda: model(packed.input_ids, packed.positions,
+                                    attn_mask=packed.attn_mask).flatten(0, 1)[packed.index])
+    assert any(g.abs().max() > 1e-4 for g in by_rows)
+    for g_rows, g_groups in zip(by_rows, by_groups, strict=True):
+        torch.testing.assert_close(g_groups, g_rows, rtol=1e-4, atol=1e-6)
+
+
+def test_exact_backend_refuses_an_attention_mask() -> None:
+    model = CausalLM(_model("fp32").args, PrecisionConfig(mode="fp32", backend="exact"))
+    input_ids, lengths = _rows()
+    packed = pack_groups(input_ids, lengths, group_size=3, pad_id=PAD)
+    with torch.no_grad(), pytest.raises(ValueError, match="causal attention only"):
+        model(packed.input_ids, packed.positions, attn_mask=packed.attn_mask)
