@@ -154,36 +154,36 @@ class PackedGroups:
 def pack_groups(input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int, pad_id: int) -> PackedGroups:
     """Pack rows [n, W] (whole groups of `group_size` consecutive rows, `lengths` [n] real tokens each): GRPO's
     samples share their prompt, so the trainer's forward and backward run it once per group, not once per sample."""
-    num_rows, width = input_ids.shape
-    rows = [input_ids[i, : int(lengths[i])] for i in range(num_rows)]
-    tokens, positions, owners = [], [], []
-    index = torch.zeros(num_rows, width, dtype=torch.long)
+    ids, lens = input_ids.numpy(), lengths.tolist()
+    num_rows, width = ids.shape
+    index = np.zeros((num_rows, width), dtype=np.int64)
+    tokens, positions, owners = [], [], []  # per group; owner -1 is the shared prefix, k the group's k-th row
     for start in range(0, num_rows, group_size):
-        group = rows[start : start + group_size]
-        shortest = min(len(r) for r in group)
-        differs = torch.stack([r[:shortest] for r in group]).ne(group[0][:shortest]).any(dim=0).nonzero()
+        rows = range(start, start + group_size)
+        shortest = min(lens[i] for i in rows)
+        differs = (ids[start : start + group_size, :shortest] != ids[start, :shortest]).any(axis=0).nonzero()[0]
         common = int(differs[0]) if len(differs) else shortest
-        parts, part_positions, part_owners = [group[0][:common]], [torch.arange(common)], [torch.full((common,), -1)]
+        parts, part_positions, part_owners = [ids[start, :common]], [np.arange(common)], [np.full(common, -1)]
         offset = common
-        for k, row in enumerate(group):
-            i = start + k
-            index[i, :common] = torch.arange(common)
-            index[i, common : len(row)] = torch.arange(offset, offset + len(row) - common)
-            parts.append(row[common:])
-            part_positions.append(torch.arange(common, len(row)))
-            part_owners.append(torch.full((len(row) - common,), k))
-            offset += len(row) - common
-        tokens.append(torch.cat(parts))
-        positions.append(torch.cat(part_positions))
-        owners.append(torch.cat(part_owners))
+        for k, i in enumerate(rows):
+            tail = lens[i] - common
+            index[i, :common] = np.arange(common)
+            index[i, common : lens[i]] = np.arange(offset, offset + tail)
+            parts.append(ids[i, common : lens[i]])
+            part_positions.append(np.arange(common, lens[i]))
+            part_owners.append(np.full(tail, k))
+            offset += tail
+        tokens.append(np.concatenate(parts))
+        positions.append(np.concatenate(part_positions))
+        owners.append(np.concatenate(part_owners))
     seq = max(len(t) for t in tokens)
-    num_groups = len(tokens)
-    packed = torch.full((num_groups, seq), pad_id, dtype=torch.long)
-    packed_positions = torch.zeros(num_groups, seq, dtype=torch.long)
-    owner = torch.full((num_groups, seq), -2, dtype=torch.long)  # padding: sees position 0 only, never seen
+    packed = np.full((len(tokens), seq), pad_id, dtype=np.int64)
+    packed_positions = np.zeros((len(tokens), seq), dtype=np.int64)
+    owner = np.full((len(tokens), seq), -2, dtype=np.int64)  # padding: sees position 0 only, never seen
     for g, (t, p, o) in enumerate(zip(tokens, positions, owners, strict=True)):
         packed[g, : len(t)], packed_positions[g, : len(t)], owner[g, : len(t)] = t, p, o
         index[g * group_size : (g + 1) * group_size] += g * seq
     is_shared_or_own = (owner[:, None, :] == -1) | (owner[:, None, :] == owner[:, :, None])
     attn_mask = is_shared_or_own & (packed_positions[:, None, :] <= packed_positions[:, :, None])
-    return PackedGroups(packed, packed_positions, attn_mask, index)
+    return PackedGroups(torch.from_numpy(packed), torch.from_numpy(packed_positions), torch.from_numpy(attn_mask),
+                        torch.from_numpy(index))
