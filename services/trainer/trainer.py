@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -93,8 +92,7 @@ class Trainer:
         self.stale_wait_s = 0.0  # waiting on an in-flight group that must join the step, with B groups at hand
         self.training: dict[str, PendingGroup] = {}  # the groups of the step in progress, acked once recorded
         self.claims_kept_at = 0.0
-        self.publish_s = 0.0  # the part of the last publication on the step's path: its snapshot, and any wait
-        self.publishing: asyncio.Task[None] | None = None  # storing and announcing the newest version
+        self.publish_s = 0.0
         self.ingested = asyncio.Event()  # set after each read of the scored stream
         self.ingest_task: asyncio.Task[None] | None = None
         self.is_training = False
@@ -117,13 +115,10 @@ class Trainer:
         self.ingest_task = asyncio.create_task(self._ingest_while_training())
         try:
             await self._train()
-            await self._published()
         finally:
             # the reader ends after its current read; a cancel could be lost inside redis-py on Python 3.11
             self.is_training = False
             await asyncio.wait({self.ingest_task})
-            if self.publishing is not None:
-                await asyncio.wait({self.publishing})
         log.info("trainer done at version %d", self.version)
 
     async def _train(self) -> None:
@@ -334,29 +329,15 @@ class Trainer:
         return stats
 
     async def _publish(self) -> None:
-        """Snapshot this version's weights, then store and announce them while the next step trains: the store's
-        writes and fsyncs stay off the step's path. One publication at a time, so versions land in order."""
-        await self._published()
-        staging = Path(tempfile.mkdtemp(prefix="jetroll-publish-"))
-        # before the next optimizer step: the linears as rollout computes with them (FP8 + scales, or bf16)
-        save_pretrained(self.model, self.tokenizer, staging, publish=self.config.precision)
-        self.publishing = asyncio.create_task(self._store_and_announce(self.version, staging))
-
-    async def _published(self) -> None:
-        """Wait for the publication in progress; its failure surfaces here."""
-        if self.publishing is not None:
-            publishing, self.publishing = self.publishing, None
-            await publishing
-
-    async def _store_and_announce(self, version: int, staging: Path) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""
-        try:
+        with tempfile.TemporaryDirectory(prefix="jetroll-publish-") as staging:
+            # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
+            save_pretrained(self.model, self.tokenizer, staging, publish=self.config.precision)
+            is_ckpt = self.version % self.config.trainer.checkpoint_every == 0
             manifest = await self.store.publish(
-                version, version, staging, precision_id=self.config.precision.precision_id,
-                dtype=published_dtype(self.config.precision), parent=version - 1 if version else None,
-                is_checkpoint=version % self.config.trainer.checkpoint_every == 0)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+                self.version, self.version, Path(staging), precision_id=self.config.precision.precision_id,
+                dtype=published_dtype(self.config.precision), parent=self.version - 1 if self.version else None,
+                is_checkpoint=is_ckpt)
         await self._announce(manifest)
         await self.store.retain(self.config.store.keep_last)
 
