@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from shared.config import ConfigError, JobConfig, load_config, validate_config
+from shared.config import ConfigError, JobConfig, WarmStartError, load_config, validate_config
 
 SERVICES = ("controller", "rollout", "reward", "trainer")
 
@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"jetroll: {exc}", file=sys.stderr)
         return 2
+    except WarmStartError as exc:
+        print(f"jetroll: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"jetroll: {args.command} interrupted", file=sys.stderr)
         return 130

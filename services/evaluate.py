@@ -52,16 +52,19 @@ async def _episodes(engine: Engine, tokenizer: Tokenizer, task: Task, requests: 
     await run_episodes(engine, runner)
 
 
+def accuracy_on(
+    model: CausalLM, tokenizer: Tokenizer, task: Task, problems: list[Problem], max_batch: int = 256
+) -> float:
+    """The fraction of `problems` of `task` whose greedy completion its reward calls correct."""
+    reward_fn = get_reward(task.reward)
+    completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch, task)
+    num_correct = sum(reward_fn(c, p.answer).correct for c, p in zip(completions, problems, strict=True))
+    return num_correct / max(len(problems), 1)
+
+
 def evaluate(
     model: CausalLM, tokenizer: Tokenizer, task_names: list[str], num_problems: int, max_batch: int = 256
 ) -> dict[str, float]:
     """Held-out greedy accuracy per task: the fraction of `task.heldout(num_problems)` whose reward says correct."""
-    accuracy = {}
-    for name in task_names:
-        task = get_task(name)
-        reward_fn = get_reward(task.reward)
-        problems = task.heldout(num_problems)
-        completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch, task)
-        num_correct = sum(reward_fn(c, p.answer).correct for c, p in zip(completions, problems, strict=True))
-        accuracy[name] = num_correct / max(len(problems), 1)
-    return accuracy
+    return {name: accuracy_on(model, tokenizer, get_task(name), get_task(name).heldout(num_problems), max_batch)
+            for name in task_names}

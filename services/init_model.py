@@ -6,6 +6,7 @@ under `cache_dir`, and published atomically with `os.rename` so no reader ever s
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -19,11 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from safetensors.torch import load_file
 
-from services.evaluate import evaluate
-from shared.config import ModelConfig
+from services.evaluate import accuracy_on
+from shared.config import ModelConfig, WarmStartConfig, WarmStartError
 from shared.env import is_multi_turn
 from shared.model import CausalLM, ModelArgs, load_state, save_pretrained
 from shared.schedule import cosine_lr
@@ -31,7 +32,7 @@ from shared.tasks import get_task
 from shared.tokenizer import Tokenizer, build_char_tokenizer
 
 WARMSTART_FILE = "warmstart.json"
-EVAL_PROBLEMS = 200
+RECIPE_VERSION = 2  # bump when the build's code changes what a config builds (2: stop by probe accuracy)
 INIT_STD = 0.02
 IGNORE_INDEX = -100
 
@@ -103,7 +104,7 @@ def _progress(enabled: bool) -> Progress:
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("loss {task.fields[loss]:.4f} probe {task.fields[probe]}"),
         TimeElapsedColumn(),
         console=Console(stderr=True),  # stdout stays clean for --json output
         disable=not enabled,
@@ -123,15 +124,112 @@ def _loss_summary(losses: list[float]) -> dict[str, Any]:
     }
 
 
+class _SupervisedPass:
+    """The SFT loop as a resumable state: model, optimizer and data RNG, so a rollback replays the same steps."""
+
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, warm: WarmStartConfig) -> None:
+        self.model, self.tokenizer, self.warm = model, tokenizer, warm
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, betas=(0.9, 0.98), weight_decay=0.01)
+        self.rng = random.Random(warm.seed)
+        self.step = 0
+        self.losses: list[float] = []
+        self.probes = {name: get_task(name).probe(warm.probe_problems) for name in warm.tasks}
+
+    def train_step(self) -> float:
+        inputs, targets = sft_batch(self.tokenizer, self.warm.tasks, self.warm.batch_size, self.rng)
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        for group in self.optimizer.param_groups:
+            group["lr"] = sft_lr(self.step, self.warm.max_steps, self.warm.lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    def probe_accuracy_by_task(self) -> dict[str, float]:
+        accuracy = {name: accuracy_on(self.model, self.tokenizer, get_task(name), problems)
+                    for name, problems in self.probes.items()}
+        self.model.train()
+        return accuracy
+
+    def probe_accuracy(self) -> float:
+        """Greedy accuracy on the probe sets, the mean over the warm start's tasks."""
+        accuracy = self.probe_accuracy_by_task()
+        return sum(accuracy.values()) / len(accuracy)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"model": copy.deepcopy(self.model.state_dict()),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "rng": self.rng.getstate(), "step": self.step, "num_losses": len(self.losses)}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self.rng.setstate(snapshot["rng"])
+        self.step = snapshot["step"]
+        del self.losses[snapshot["num_losses"]:]
+
+
+def _in_band(accuracy: float, band: tuple[float, float]) -> bool:
+    return band[0] <= accuracy <= band[1]
+
+
+def _train_to_band(sft: _SupervisedPass, bar: Progress, job: TaskID) -> dict[str, Any]:
+    """Train until a probe evaluation lands in the band; returns the probe history and how the pass stopped."""
+    warm = sft.warm
+    band = warm.target_band
+    history: list[list[float]] = []
+    if band is None:
+        while sft.step < warm.max_steps:
+            bar.update(job, completed=sft.step + 1, loss=sft.train_step())
+        return {"stopped": "max_steps", "probe_history": history}
+    low, high = band
+    last = sft.snapshot()
+    while sft.step < warm.max_steps:
+        bar.update(job, completed=sft.step + 1, loss=sft.train_step())
+        if sft.step % warm.eval_every and sft.step < warm.max_steps:
+            continue
+        accuracy = sft.probe_accuracy()
+        history.append([sft.step, accuracy])
+        bar.update(job, probe=f"{accuracy:.1%}")
+        if _in_band(accuracy, band):
+            return {"stopped": "in_band", "probe_history": history}
+        if accuracy > high:
+            # jumped past the band since the last evaluation: replay those (deterministic) steps, evaluating each
+            jumped_at = sft.step
+            sft.restore(last)
+            while sft.step < jumped_at:
+                bar.update(job, completed=sft.step + 1, loss=sft.train_step())
+                accuracy = sft.probe_accuracy()
+                history.append([sft.step, accuracy])
+                bar.update(job, probe=f"{accuracy:.1%}")
+                if _in_band(accuracy, band):
+                    return {"stopped": "in_band_after_rollback", "probe_history": history}
+                if accuracy > high:
+                    break
+            raise WarmStartError(
+                f"warm start: probe accuracy jumped past target_band [{low:.0%}, {high:.0%}] at step {sft.step} "
+                f"({history[-2][1]:.1%} -> {accuracy:.1%} in one step); widen model.warm_start.target_band")
+        last = sft.snapshot()
+    best = max(history, key=lambda row: row[1])
+    raise WarmStartError(
+        f"warm start: probe accuracy never reached target_band [{low:.0%}, {high:.0%}] within "
+        f"model.warm_start.max_steps={warm.max_steps} (best {best[1]:.1%} at step {int(best[0])}); raise max_steps "
+        "or lr, or lower the band")
+
+
 def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) -> dict[str, Any]:
-    """Build, warm-start, evaluate and save the tiny base model into `out_dir`; return the warmstart info."""
+    """Build, warm-start, evaluate and save the tiny base model into `out_dir`; return the warmstart info.
+    Raises WarmStartError, saving nothing, when the warm start cannot land in its target band."""
     start_s = time.perf_counter()
     warm = config.warm_start
     for name in warm.tasks:
         get_task(name)
     tokenizer = build_char_tokenizer()
     torch.manual_seed(warm.seed)
-    rng = random.Random(warm.seed)
     model = CausalLM(model_args(config, tokenizer))
     init_weights(model)
     if warm.init_from is not None:
@@ -139,35 +237,26 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
         shards = sorted(first.glob("*.safetensors"))
         load_state(model, {name: tensor for shard in shards for name, tensor in load_file(str(shard)).items()})
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    losses: list[float] = []
+    sft = _SupervisedPass(model, tokenizer, warm)
     with _progress(progress) as bar:
-        job = bar.add_task("warm start", total=warm.steps, loss=float("nan"))
-        for step in range(warm.steps):
-            inputs, targets = sft_batch(tokenizer, warm.tasks, warm.batch_size, rng)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-            for group in optimizer.param_groups:
-                group["lr"] = sft_lr(step, warm.steps, warm.lr)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.item())
-            bar.update(job, advance=1, loss=losses[-1])
+        job = bar.add_task("warm start", total=warm.max_steps, loss=float("nan"), probe="-")
+        outcome = _train_to_band(sft, bar, job)
     train_s = time.perf_counter() - start_s
-    accuracy = evaluate(model, tokenizer, warm.tasks, EVAL_PROBLEMS)
+    accuracy = sft.probe_accuracy_by_task()
     out_dir = Path(out_dir)
     save_pretrained(model, tokenizer, out_dir)
     info = {
-        "steps": warm.steps,
+        "steps": sft.step,
+        "max_steps": warm.max_steps,
+        "target_band": list(warm.target_band) if warm.target_band is not None else None,
+        **outcome,
         "seed": warm.seed,
         "batch_size": warm.batch_size,
         "lr": warm.lr,
         "tasks": warm.tasks,
-        "eval_problems": EVAL_PROBLEMS,
-        "accuracy": accuracy,
-        "loss": _loss_summary(losses),
+        "probe_problems": warm.probe_problems,
+        "accuracy": accuracy,  # on the probe sets: RL's held-out sets play no part in building the base
+        "loss": _loss_summary(sft.losses),
         "train_s": round(train_s, 2),
         "wall_s": round(time.perf_counter() - start_s, 2),
         "model_hash": config_hash(config),
@@ -177,11 +266,10 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
 
 
 def config_hash(config: ModelConfig) -> str:
-    """sha256 of the model config JSON, without `path` and `cache_dir` (they don't change the weights)."""
-    # a config without init_from hashes as it did before the field existed, so cached models stay valid
-    exclude = {"path": True, "cache_dir": True, **({"warm_start": {"init_from"}} if config.warm_start.init_from is None
-                                                    else {})}
-    tree = config.model_dump(mode="json", exclude=exclude)
+    """sha256 of the build recipe and the model config JSON, without `path` and `cache_dir` (they don't change the
+    weights); the warm start's band, cap and probe are part of it."""
+    tree = config.model_dump(mode="json", exclude={"path", "cache_dir"})
+    tree["recipe"] = RECIPE_VERSION
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -223,9 +311,11 @@ def main(config: ModelConfig, force: bool = False) -> None:
     if info_path.is_file():
         info = json.loads(info_path.read_text())
         accuracy = ", ".join(f"{name} {acc:.1%}" for name, acc in info["accuracy"].items())
-        print(
-            f"warm start: {info['steps']} steps, seed {info['seed']}, {info['wall_s']:.0f} s; held-out greedy "
-            f"accuracy: {accuracy}"
-        )
+        band = info["target_band"]
+        outcome = (f"stopped in target_band [{band[0]:.0%}, {band[1]:.0%}]"
+                   + (" after a rollback" if info["stopped"] == "in_band_after_rollback" else "")
+                   if band is not None else "fixed step count")
+        print(f"warm start: {info['steps']} of at most {info['max_steps']} steps ({outcome}), seed {info['seed']}, "
+              f"{info['wall_s']:.0f} s; probe greedy accuracy: {accuracy}")
     else:
         print("no warmstart.json: a user-supplied model")

@@ -2,8 +2,9 @@
 
 Every prompt and answer uses only the char-level vocabulary:
 `0-9 + - = * / : ; , . ? ! ( ) [ ] space a-z newline`.
-A problem's split is a pure function of its parameters (a hash), so `sample` can never return a held-out
-problem and `heldout` never needs to remember what training saw.
+A problem's split (train, probe or held-out) is a pure function of its parameters (a hash), so `sample` can never
+return a held-out or probe problem and neither set needs to remember what training saw. The probe set is the warm
+start's: it stops the supervised pass, so it must not be the held-out set RL is scored on.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from shared.env import CalculatorEnv
 
 HELDOUT_PERCENT = 10
+PROBE_PERCENT = 2
+Split = Literal["train", "probe", "heldout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,10 @@ class Task(Protocol):
         """A deterministic held-out set of n problems, disjoint from training by construction."""
         ...
 
+    def probe(self, n: int) -> list[Problem]:
+        """A deterministic probe set of n problems for the warm start, disjoint from training and held-out sets."""
+        ...
+
     def sft_sample(self, rng: random.Random) -> Problem:
         """A problem for the supervised warm start: training split only, may follow a curriculum."""
         ...
@@ -52,34 +59,38 @@ class Task(Protocol):
         ...
 
 
-def is_heldout(key: str) -> bool:
-    """Deterministic split: about HELDOUT_PERCENT % of problem keys are held out, independent of any RNG."""
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:8], "little") % 100 < HELDOUT_PERCENT
+def split_of(key: str) -> Split:
+    """Deterministic split, independent of any RNG: about HELDOUT_PERCENT % of problem keys are held out and
+    PROBE_PERCENT % probe the warm start; the rest train."""
+    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % 100
+    if bucket < HELDOUT_PERCENT:
+        return "heldout"
+    return "probe" if bucket < HELDOUT_PERCENT + PROBE_PERCENT else "train"
 
 
 def _training_problem(
     rng: random.Random, draw: Callable[[random.Random], tuple[Any, ...]], key: Callable[..., str],
     make: Callable[..., Problem],
 ) -> Problem:
-    """Draw parameter tuples until one is not held out."""
+    """Draw parameter tuples until one is in the training split."""
     while True:
         params = draw(rng)
-        if not is_heldout(key(*params)):
+        if split_of(key(*params)) == "train":
             return make(*params)
 
 
-def _heldout_problems(
+def _split_problems(
     n: int,
+    split: Split,
     draw: Callable[[random.Random], tuple[Any, ...]],
     key: Callable[..., str],
     make: Callable[..., Problem],
     seed: str,
     max_draws: int,
 ) -> list[Problem]:
-    """Draw parameter tuples from a fixed-seed RNG, keep distinct held-out ones until there are n."""
+    """Draw parameter tuples from a fixed-seed RNG, keep distinct ones of `split` until there are n."""
     if n < 0:
-        raise ValueError(f"heldout(n) needs n >= 0, got {n}")
+        raise ValueError(f"{split}(n) needs n >= 0, got {n}")
     rng = random.Random(seed)
     seen: set[str] = set()
     problems: list[Problem] = []
@@ -88,12 +99,12 @@ def _heldout_problems(
             return problems
         params = draw(rng)
         k = key(*params)
-        if k in seen or not is_heldout(k):
+        if k in seen or split_of(k) != split:
             continue
         seen.add(k)
         problems.append(make(*params))
     if len(problems) < n:
-        raise ValueError(f"asked for {n} held-out problems; found {len(problems)} within the draw budget")
+        raise ValueError(f"asked for {n} {split} problems; found {len(problems)} within the draw budget")
     return problems
 
 
@@ -133,7 +144,10 @@ class ArithmeticTask:
         return _training_problem(rng, self._draw_digit_balanced, self.key, self.make)
 
     def heldout(self, n: int) -> list[Problem]:
-        return _heldout_problems(n, self._draw, self.key, self.make, "arithmetic-heldout", 100 * n + 10_000)
+        return _split_problems(n, "heldout", self._draw, self.key, self.make, "arithmetic-heldout", 100 * n + 10_000)
+
+    def probe(self, n: int) -> list[Problem]:
+        return _split_problems(n, "probe", self._draw, self.key, self.make, "arithmetic-probe", 500 * n + 10_000)
 
     def sft_completion(self, problem: Problem) -> str:
         return problem.answer
@@ -182,7 +196,10 @@ class CountTask:
         return _training_problem(rng, self._draw, self.key, self.make)
 
     def heldout(self, n: int) -> list[Problem]:
-        return _heldout_problems(n, self._draw, self.key, self.make, "count-heldout", 100 * n + 10_000)
+        return _split_problems(n, "heldout", self._draw, self.key, self.make, "count-heldout", 100 * n + 10_000)
+
+    def probe(self, n: int) -> list[Problem]:
+        return _split_problems(n, "probe", self._draw, self.key, self.make, "count-probe", 500 * n + 10_000)
 
     def sft_sample(self, rng: random.Random) -> Problem:
         return self.sample(rng)
@@ -229,7 +246,10 @@ class CalculatorTask:
         return _training_problem(rng, self._draw, self.key, self.make)
 
     def heldout(self, n: int) -> list[Problem]:
-        return _heldout_problems(n, self._draw, self.key, self.make, "calculator-heldout", 100 * n + 10_000)
+        return _split_problems(n, "heldout", self._draw, self.key, self.make, "calculator-heldout", 100 * n + 10_000)
+
+    def probe(self, n: int) -> list[Problem]:
+        return _split_problems(n, "probe", self._draw, self.key, self.make, "calculator-probe", 500 * n + 10_000)
 
     def sft_sample(self, rng: random.Random) -> Problem:
         return self.sample(rng)

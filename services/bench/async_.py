@@ -46,7 +46,8 @@ TRAIN_FRACTION_OF_MAX = 3 / 7  # T + W = 3/7 E[max_N L]
 STRESS_FAIL_FRAC, STRESS_SLOWDOWN = 0.05, 10.0
 F_PICK_STEPS = 40  # the event model picks f over a longer horizon than a measured run
 # only the tokenizer and the published weights matter: an untrained 1-layer model
-BENCH_MODEL = ModelConfig(num_layers=1, intermediate_size=256, warm_start=WarmStartConfig(steps=0))
+BENCH_MODEL = ModelConfig(num_layers=1, intermediate_size=256,
+                          warm_start=WarmStartConfig(max_steps=0, target_band=None))
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,7 +102,7 @@ def test_bench_async_quick_json_smoke() -> None:
 def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
     """One step per mode on a 1-layer model built in tmp; a second call resumes from the saved runs."""
     cmd = [sys.executable, "-m", "services.cli", "bench", "precision", "--json", "--seeds", "1", "--max-steps", "1",
-           "--run-dir", str(tmp_path / "runs"), "--set", "model.num_layers=1", "--set", "model.warm_start.steps=2",
+           "--run-dir", str(tmp_path / "runs"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=2",
            "--set", f"model.cache_dir={tmp_path / 'cache'}", "--set", "eval.num_problems=1",
            "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)

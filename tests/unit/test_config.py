@@ -25,7 +25,7 @@ def test_every_config_loads(path: Path) -> None:
 
 def test_smoke_config_is_tiny() -> None:
     config = load_config(SMOKE)
-    assert (config.model.hidden_size, config.model.num_layers, config.model.warm_start.steps) == (128, 1, 20)
+    assert (config.model.hidden_size, config.model.num_layers, config.model.warm_start.max_steps) == (128, 1, 20)
     assert (config.trainer.max_steps, config.trainer.groups_per_step, config.trainer.group_size) == (4, 4, 4)
     assert config.rollout.max_seq_len == 32 and config.eval.num_problems == 20
     assert config.redis.claim_idle_ms == 2000

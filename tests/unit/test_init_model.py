@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,7 @@ from services import init_model
 from services.evaluate import evaluate
 from services.init_model import build_base_model, config_hash, ensure_base_model
 from services.rollout.engine import Engine, Request
-from shared.config import ModelConfig, WarmStartConfig
+from shared.config import ModelConfig, WarmStartConfig, WarmStartError
 from shared.model import load_pretrained
 from shared.tasks import get_task
 from shared.tokenizer import build_char_tokenizer
@@ -29,7 +29,7 @@ def tiny_config(cache_dir: Path | str = "~/.cache/jetroll", seed: int = 0) -> Mo
         num_heads=4,
         num_kv_heads=2,
         intermediate_size=128,
-        warm_start=WarmStartConfig(steps=4, batch_size=8, lr=1e-3, seed=seed),
+        warm_start=WarmStartConfig(max_steps=4, target_band=None, batch_size=8, lr=1e-3, seed=seed, probe_problems=50),
     )
 
 
@@ -151,14 +151,96 @@ def test_a_second_stage_starts_from_the_first_stages_cached_model(tmp_path: Path
     """warm_start.init_from builds (and caches) the first stage, then trains on from its weights."""
     first = tiny_config(cache_dir=tmp_path / "cache")
     staged = first.model_copy(update={"warm_start": WarmStartConfig(
-        steps=0, batch_size=8, seed=1, tasks=["arithmetic", "count32"], init_from=first.warm_start)})
+        max_steps=0, target_band=None, probe_problems=50, batch_size=8, seed=1, tasks=["arithmetic", "count32"],
+        init_from=first.warm_start)})
     path = ensure_base_model(staged, progress=False)
     first_path = tmp_path / "cache" / f"base-{config_hash(first)}"
     assert first_path.is_dir() and path != first_path
     # zero further steps: the second stage's weights are exactly the first's
     ours, theirs = load_file(str(path / "model.safetensors")), load_file(str(first_path / "model.safetensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    # a config without init_from keeps the hash it had before the field existed
-    tree = first.model_dump(mode="json", exclude={"path", "cache_dir"})
-    del tree["warm_start"]["init_from"]
-    assert config_hash(first) == hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("field", [{"target_band": (0.3, 0.5)}, {"max_steps": 5}, {"eval_every": 7},
+                                   {"probe_problems": 60}])
+def test_cache_key_covers_the_band_and_the_cap(field: dict) -> None:
+    config = tiny_config()
+    changed = config.model_copy(update={"warm_start": config.warm_start.model_copy(update=field)})
+    assert config_hash(changed) != config_hash(config)
+
+
+def _scripted_probe(monkeypatch: pytest.MonkeyPatch, accuracy_at: Callable[[int], float]) -> list[int]:
+    """Replace the probe's greedy decode by a scripted accuracy per SFT step; returns the steps it was asked at.
+    The training steps stay real, so what is checked is where the pass stops and which weights it keeps."""
+    asked: list[int] = []
+
+    def probe(self: init_model._SupervisedPass) -> float:
+        asked.append(self.step)
+        return accuracy_at(self.step)
+
+    monkeypatch.setattr(init_model._SupervisedPass, "probe_accuracy", probe)
+    return asked
+
+
+def banded(max_steps: int, band: tuple[float, float], eval_every: int) -> ModelConfig:
+    config = tiny_config()
+    return config.model_copy(update={"warm_start": config.warm_start.model_copy(update={
+        "max_steps": max_steps, "target_band": band, "eval_every": eval_every})})
+
+
+def test_stops_at_the_first_probe_evaluation_in_the_band(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _scripted_probe(monkeypatch, lambda step: step / 100)
+    info = build_base_model(banded(100, (0.35, 0.5), eval_every=10), tmp_path, progress=False)
+    assert asked == [10, 20, 30, 40]
+    assert info["steps"] == 40 and info["stopped"] == "in_band"
+    assert info["probe_history"] == [[10, 0.1], [20, 0.2], [30, 0.3], [40, 0.4]]
+    assert json.loads((tmp_path / "warmstart.json").read_text())["steps"] == 40
+
+
+def test_a_jump_past_the_band_rolls_back_and_replays_the_same_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accuracy jumps past the band between two evaluations: the pass goes back to the last one and replays,
+    evaluating every step; the weights it keeps are bitwise those of training straight to that step."""
+    def accuracy_at(step: int) -> float:
+        return 0.1 if step < 33 else 0.45 if step < 36 else 0.9
+
+    asked = _scripted_probe(monkeypatch, accuracy_at)
+    info = build_base_model(banded(100, (0.4, 0.5), eval_every=10), tmp_path / "rolled", progress=False)
+    assert asked == [10, 20, 30, 40, 31, 32, 33]
+    assert info["steps"] == 33 and info["stopped"] == "in_band_after_rollback"
+    assert info["loss"]["curve"][-1][0] <= 32  # the discarded steps' losses are gone with them
+
+    _scripted_probe(monkeypatch, accuracy_at)
+    straight = build_base_model(banded(100, (0.4, 0.5), eval_every=1), tmp_path / "straight", progress=False)
+    assert straight["steps"] == 33 and straight["stopped"] == "in_band"
+    rolled, direct = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("rolled", "straight"))
+    assert all(torch.equal(rolled[k], direct[k]) for k in direct)
+
+
+@pytest.mark.parametrize(("accuracy_at", "message"), [
+    (lambda step: 0.1 if step < 33 else 0.9, "jumped past target_band"),
+    (lambda step: 0.2, "never reached target_band"),
+])
+def test_a_band_it_cannot_land_in_fails_the_build_and_caches_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, accuracy_at: Callable[[int], float], message: str
+) -> None:
+    _scripted_probe(monkeypatch, accuracy_at)
+    config = banded(60, (0.4, 0.5), eval_every=10).model_copy(update={"cache_dir": str(tmp_path)})
+    with pytest.raises(WarmStartError, match=message):
+        ensure_base_model(config, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_init_model_prints_the_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _scripted_probe(monkeypatch, lambda step: step / 100)
+    init_model.main(banded(100, (0.35, 0.5), eval_every=10).model_copy(update={"cache_dir": str(tmp_path)}))
+    out = capsys.readouterr().out
+    assert "warm start: 40 of at most 100 steps (stopped in target_band [35%, 50%])" in out
+
+
+@pytest.mark.parametrize("band", [(0.5, 0.4), (-0.1, 0.5), (0.4, 1.2)])
+def test_target_band_is_validated(band: tuple[float, float]) -> None:
+    with pytest.raises(ValueError, match="target_band"):
+        WarmStartConfig(target_band=band)

@@ -25,6 +25,17 @@ def test_heldout_disjoint_from_training(name: str) -> None:
     assert {p.prompt for p in training}.isdisjoint(p.prompt for p in heldout)
 
 
+@pytest.mark.parametrize("name", ["arithmetic", "count", "calculator"])
+def test_probe_disjoint_from_training_and_heldout(name: str) -> None:
+    """The warm start stops on the probe set, so it must not select on the set RL is scored on."""
+    task = get_task(name)
+    probe = task.probe(200)
+    assert len(set(probe)) == 200 and task.probe(200) == probe
+    assert set(probe).isdisjoint(task.heldout(2000))
+    rng = random.Random(7)
+    assert {task.sample(rng) for _ in range(50_000)}.isdisjoint(probe)
+
+
 @pytest.mark.parametrize("name", ["arithmetic", "count"])
 def test_registered_task_is_consistent(name: str) -> None:
     task = TASKS[name]
