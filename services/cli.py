@@ -123,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     mismatch.add_argument("--samples", type=int, default=8, help="sampled completions, scored by every mode")
     mismatch.add_argument("--threads", type=int, default=1)
     mismatch.add_argument("--model", help="an HF-format model dir instead of the random tiny model")
+    learning = bench_sub.add_parser("learning", help="the default job per trainer seed x kernel variant, each from a "
+                                    "cold model cache: base, final and lowest accuracy, wall time (resumable)")
+    learning.add_argument("--json", action="store_true", help="print one JSON object")
+    learning.add_argument("--seeds", type=int, default=3, help="trainer seeds (and warm-start seeds) per kernel")
+    learning.add_argument("--kernels", default="native,avx2", help="kernel variants, comma-separated: native, avx2")
+    learning.add_argument("--run-dir", type=Path, help="finished cells here are kept and not run again (default "
+                          "~/.cache/jetroll/bench/learning)")
+    learning.add_argument("--max-steps", type=int, help="override trainer.max_steps (a short proxy or a smoke test)")
+    learning.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a field of configs/arithmetic.yaml in every cell")
     precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only per seed: "
                                      "held-out scores and reward curves (resumable)")
     precision.add_argument("--json", action="store_true", help="print one JSON object")
@@ -258,10 +268,14 @@ def _bench(args: argparse.Namespace) -> int:
     """Run one benchmark (its module imported late), then print its JSON object or its table."""
     import importlib
 
+    from services.bench.versions import library_versions
+
     def ints(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
 
     runs = {
+        "learning": lambda m: m.run_learning_bench(args.seeds, args.kernels, args.run_dir, args.overrides,
+                                                   args.max_steps),
         "precision": lambda m: m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides),
         "async": lambda m: m.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir),
         "mismatch": lambda m: m.run_mismatch_bench(lengths=ints(args.lengths), num_samples=args.samples,
@@ -276,6 +290,7 @@ def _bench(args: argparse.Namespace) -> int:
     }
     module = importlib.import_module(f"services.bench.{'async_' if args.bench == 'async' else args.bench}")
     result = runs[args.bench](module)
+    result.setdefault("versions", library_versions())
     if args.json:
         print(json.dumps(result))
     else:

@@ -103,6 +103,7 @@ def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
     """One step per mode on a 1-layer model built in tmp; a second call resumes from the saved runs."""
     cmd = [sys.executable, "-m", "services.cli", "bench", "precision", "--json", "--seeds", "1", "--max-steps", "1",
            "--run-dir", str(tmp_path / "runs"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=2",
+           "--set", "model.warm_start.init_from.max_steps=2", "--set", "model.warm_start.init_from.target_band=null",
            "--set", f"model.cache_dir={tmp_path / 'cache'}", "--set", "eval.num_problems=1",
            "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
@@ -116,3 +117,32 @@ def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
     assert again["runs"] == first["runs"] and time.perf_counter() - started < 60  # nothing ran again
     other = subprocess.run([*cmd, "--set", "trainer.lr=0.5"], capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and "holds precision-bench runs of another config" in other.stderr, other.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
+    """One trainer seed on both kernel variants, 2 RL steps of a 1-layer model: each cell is a real `jetroll run`
+    from its own cold cache, the avx2 cell really runs AVX2 kernels, and a second call runs nothing again."""
+    cmd = [sys.executable, "-m", "services.cli", "bench", "learning", "--json", "--seeds", "1", "--max-steps", "2",
+           "--run-dir", str(tmp_path / "bench"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=4",
+           "--set", "model.warm_start.target_band=null", "--set", "model.warm_start.probe_problems=20",
+           "--set", "eval.num_problems=20", "--set", "eval.every_steps=1", "--set", "trainer.groups_per_step=2",
+           "--set", "trainer.group_size=2", "--set", "rollout.compile=false"]
+    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
+    rows = first["rows"]
+    assert [(r["kernel"], r["trainer_seed"], r["warm_start_seed"]) for r in rows] == [("native", 0, 0), ("avx2", 0, 0)]
+    assert rows[1]["cpu_capability"] == "AVX2" and rows[0]["cpu_capability"] != ""
+    for row in rows:
+        assert row["steps"] == 2 and row["warm_start_steps"] == 4
+        assert [step for step, _ in row["evals"]] == [0, 1, 2]
+        assert row["lowest"] == min(a for _, a in row["evals"]) and row["rise"] == row["final"] - row["base"]
+        assert row["wall_s"] > row["base_build_s"] > 0
+        assert (tmp_path / "bench" / f"{row['kernel']}-t0-w0" / "cache").is_dir()  # a cold cache per cell
+    assert first["summary"]["min_final"] == min(r["final"] for r in rows)
+    assert first["summary"]["min_rise"] == min(r["rise"] for r in rows)
+    assert first["versions"]["torch"].startswith("2.13.0")
+    again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert again["rows"] == rows
+    other = subprocess.run([*cmd, "--set", "trainer.lr=0.5"], capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "holds learning-bench runs of another config" in other.stderr, other.stderr

@@ -1,0 +1,146 @@
+"""`jetroll bench learning`: the default job over a matrix of trainer seeds, warm-start seeds and CPU kernels.
+
+Each cell is README command 1 as a new user runs it: `jetroll run configs/arithmetic.yaml` in a subprocess, from a
+cold model cache of its own, so its wall time counts the base build. The `avx2` kernel variant runs the cell with
+ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS set to AVX2: other float kernels, so other bits,
+a stand-in for another machine. Warm-start seeds are spread over the cells so that several bases are covered.
+
+A finished cell leaves `row.json` and is not run again, so the bench resumes across sessions; a cell that was
+interrupted starts over from an empty directory (only uninterrupted runs count for time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from services.bench.versions import library_versions
+from shared.config import ConfigError, load_config
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
+DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/learning")
+KERNELS: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+# the acceptance bar of a cell (issue 14): final accuracy, rise over the base, largest dip below it, wall time
+MIN_FINAL, MIN_RISE, MAX_DIP, MAX_WALL_S = 0.80, 0.25, 0.02, 20 * 60
+
+
+def cells(num_seeds: int, kernels: list[str]) -> list[dict[str, Any]]:
+    """Trainer seed x kernel; kernel k shifts the warm-start seeds by k, so each kernel builds other bases too."""
+    return [{"kernel": kernel, "trainer_seed": seed, "warm_start_seed": (seed + k) % num_seeds}
+            for k, kernel in enumerate(kernels) for seed in range(num_seeds)]
+
+
+def run_learning_bench(num_seeds: int = 3, kernels: str = "native,avx2", run_dir: Path | None = None,
+                       overrides: list[str] = (), max_steps: int | None = None) -> dict[str, Any]:
+    names = [k.strip() for k in kernels.split(",") if k.strip()]
+    for name in names:
+        if name not in KERNELS:
+            raise ConfigError(f"bench learning --kernels: unknown kernel variant {name!r}; valid: {sorted(KERNELS)}")
+    run_dir = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve()
+    extra = [*overrides, *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
+    load_config(CONFIG, extra)  # a bad override fails here, before any cell runs
+    _claim(run_dir, extra)
+    rows = []
+    for cell in cells(num_seeds, names):
+        out = run_dir / f"{cell['kernel']}-t{cell['trainer_seed']}-w{cell['warm_start_seed']}"
+        if not (out / "row.json").exists():
+            run_cell(cell, out, extra)
+        rows.append(json.loads((out / "row.json").read_text()))
+    result = {"config": {"config": str(CONFIG), "overrides": extra, "num_seeds": num_seeds, "kernels": names,
+                         "run_dir": str(run_dir)},
+              "versions": library_versions(), "rows": rows, "summary": summary(rows)}
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _claim(run_dir: Path, overrides: list[str]) -> None:
+    """Pin the run dir to one config and one code version's overrides, so a resumed bench never mixes runs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "bench_config.json"
+    tree = {"config": CONFIG.read_text(), "overrides": list(overrides)}
+    if path.exists() and json.loads(path.read_text()) != tree:
+        raise ConfigError(f"{run_dir} holds learning-bench runs of another config ({path}); pass a new --run-dir")
+    path.write_text(json.dumps(tree, indent=2))
+
+
+def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
+    """One cell from an empty directory: its own cold model cache, its kernel variables, the whole job timed."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    command = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
+               "--set", f"model.cache_dir={out / 'cache'}", "--set", f"trainer.seed={cell['trainer_seed']}",
+               "--set", f"model.warm_start.seed={cell['warm_start_seed']}",
+               *(arg for item in overrides for arg in ("--set", item))]
+    env = {**os.environ, **KERNELS[cell["kernel"]]}
+    capability = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                                env=env, capture_output=True, text=True, check=True).stdout.strip()
+    print(f"bench learning: {out.name} ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    with open(out / "job.log", "wb") as log:
+        code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    wall_s = time.perf_counter() - started
+    if code != 0:
+        raise RuntimeError(f"bench learning cell {out.name} failed (exit {code}); see {out / 'job.log'}")
+    row = read_cell(cell, out, wall_s) | {"cpu_capability": capability}
+    (out / "row.json").write_text(json.dumps(row, indent=2))
+    print(f"bench learning: {out.name}: {row['base']:.1%} -> {row['final']:.1%}, lowest {row['lowest']:.1%}, "
+          f"{wall_s / 60:.1f} min", file=sys.stderr, flush=True)
+
+
+def read_cell(cell: dict[str, Any], out: Path, wall_s: float) -> dict[str, Any]:
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    evals = [json.loads(line) for line in (out / "run" / "eval.jsonl").read_text().splitlines()]
+    (base_dir,) = (out / "cache").glob("base-*")
+    warm = json.loads((base_dir / "warmstart.json").read_text())
+    base, final = summary["accuracy_before"], summary["accuracy_after"]
+    accuracies = [_mean_accuracy(e) for e in evals]
+    lowest = min(accuracies)
+    row = {**cell, "base": base, "final": final, "rise": final - base, "lowest": lowest,
+           "dip": max(0.0, base - lowest), "evals": [[e["version"], a] for e, a in zip(evals, accuracies, strict=True)],
+           "warm_start_steps": warm["steps"], "warm_start_probe": warm["probe_history"][-1][1]
+           if warm["probe_history"] else None, "base_build_s": warm["wall_s"], "rl_s": summary["wall_time_s"],
+           "wall_s": round(wall_s, 1), "steps": summary["steps"]}
+    row["passes"] = (final >= MIN_FINAL and row["rise"] >= MIN_RISE and row["dip"] <= MAX_DIP
+                     and wall_s <= MAX_WALL_S)
+    return row
+
+
+def _mean_accuracy(row: dict[str, float]) -> float:
+    values = [v for k, v in row.items() if k != "version"]
+    return sum(values) / len(values)
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"min_final": min(r["final"] for r in rows), "min_rise": min(r["rise"] for r in rows),
+            "max_dip": max(r["dip"] for r in rows), "max_wall_s": max(r["wall_s"] for r in rows),
+            "num_cells": len(rows), "num_passing": sum(r["passes"] for r in rows),
+            "all_pass": all(r["passes"] for r in rows)}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="learning: the default job per cell (held-out greedy accuracy, 400 problems)")
+    for column in ("kernel", "trainer seed", "warm-start seed", "base", "final", "rise", "lowest", "warm-start steps",
+                   "base build s", "wall min", "pass"):
+        table.add_column(column, justify="right")
+    for r in result["rows"]:
+        table.add_row(r["kernel"], str(r["trainer_seed"]), str(r["warm_start_seed"]), f"{r['base']:.1%}",
+                      f"{r['final']:.1%}", f"{r['rise'] * 100:+.1f}", f"{r['lowest']:.1%}", str(r["warm_start_steps"]),
+                      f"{r['base_build_s']:.0f}", f"{r['wall_s'] / 60:.1f}", "yes" if r["passes"] else "NO")
+    console = Console()
+    console.print(table)
+    s = result["summary"]
+    console.print(f"min final {s['min_final']:.1%}, min rise {s['min_rise'] * 100:+.1f} points, max dip below the base "
+                  f"{s['max_dip'] * 100:.1f} points, max wall {s['max_wall_s'] / 60:.1f} min; "
+                  f"{s['num_passing']}/{s['num_cells']} cells pass")

@@ -1,0 +1,39 @@
+"""The library versions and machine a benchmark ran with, recorded in every bench's JSON."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from typing import Any
+
+LIBRARIES = ("torch", "numpy", "msgspec", "redis", "pydantic", "safetensors", "transformers", "celery", "aioboto3",
+             "ray", "vllm")
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+
+
+def library_versions() -> dict[str, Any]:
+    """Installed versions (None: not installed), the Python, the machine, the redis-server and the kernel env."""
+    versions: dict[str, Any] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["python"] = platform.python_version()
+    versions["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
+    versions["cpu_count"] = os.cpu_count()
+    versions["redis_server"] = _redis_server_version()
+    versions["kernel_env"] = {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}
+    return versions
+
+
+def _redis_server_version() -> str | None:
+    from services.redis_server import find_redis_server
+
+    try:
+        out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (FileNotFoundError, OSError, subprocess.TimeoutExpired):
+        return None
+    return next((part.removeprefix("v=") for part in out.split() if part.startswith("v=")), out.strip() or None)
