@@ -177,6 +177,15 @@ def _in_band(accuracy: float, band: tuple[float, float]) -> bool:
     return band[0] <= accuracy <= band[1]
 
 
+def _probe(sft: _SupervisedPass, bar: Progress, job: TaskID, history: list[list[float]]) -> float:
+    accuracy = sft.probe_accuracy()
+    history.append([sft.step, accuracy])
+    bar.update(job, probe=f"{accuracy:.1%}")
+    if not bar.disable and not bar.console.is_terminal:  # a log file gets a line per probe instead of a live bar
+        bar.console.print(f"warm start: step {sft.step}/{sft.warm.max_steps}: probe accuracy {accuracy:.1%}")
+    return accuracy
+
+
 def _train_to_band(sft: _SupervisedPass, bar: Progress, job: TaskID) -> dict[str, Any]:
     """Train until a probe evaluation lands in the band; returns the probe history and how the pass stopped."""
     warm = sft.warm
@@ -192,9 +201,7 @@ def _train_to_band(sft: _SupervisedPass, bar: Progress, job: TaskID) -> dict[str
         bar.update(job, completed=sft.step + 1, loss=sft.train_step())
         if sft.step % warm.eval_every and sft.step < warm.max_steps:
             continue
-        accuracy = sft.probe_accuracy()
-        history.append([sft.step, accuracy])
-        bar.update(job, probe=f"{accuracy:.1%}")
+        accuracy = _probe(sft, bar, job, history)
         if _in_band(accuracy, band):
             return {"stopped": "in_band", "probe_history": history}
         if accuracy > high:
@@ -203,9 +210,7 @@ def _train_to_band(sft: _SupervisedPass, bar: Progress, job: TaskID) -> dict[str
             sft.restore(last)
             while sft.step < jumped_at:
                 bar.update(job, completed=sft.step + 1, loss=sft.train_step())
-                accuracy = sft.probe_accuracy()
-                history.append([sft.step, accuracy])
-                bar.update(job, probe=f"{accuracy:.1%}")
+                accuracy = _probe(sft, bar, job, history)
                 if _in_band(accuracy, band):
                     return {"stopped": "in_band_after_rollback", "probe_history": history}
                 if accuracy > high:
