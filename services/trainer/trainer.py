@@ -300,11 +300,9 @@ class Trainer:
     def _lr(self) -> float:
         """This step's learning rate: a pure function of the version, so a resumed run picks the schedule up."""
         cfg = self.config.trainer
-        if cfg.lr_schedule == "constant":
-            return cfg.lr
-        hold_steps = round(cfg.max_steps * (1 - cfg.lr_decay_frac))
-        return cosine_lr(self.version, cfg.max_steps, cfg.lr, warmup_steps=0, final_ratio=cfg.lr_final_ratio,
-                         hold_steps=hold_steps)
+        decay_start = cfg.max_steps if cfg.lr_schedule == "constant" else round(cfg.max_steps * (1 - cfg.lr_decay_frac))
+        return cosine_lr(self.version, cfg.max_steps, cfg.lr, warmup_steps=cfg.warmup_steps,
+                         final_ratio=cfg.lr_final_ratio, hold_steps=max(0, decay_start - cfg.warmup_steps))
 
     def _staleness_stats(self, batch: TokenBatch, prox_logp: torch.Tensor) -> dict[str, float]:
         mask = batch.loss_mask > 0
