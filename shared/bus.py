@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,8 @@ from shared.events import AnyEvent, Event, EventDecodeError, decode, encode
 
 FIELD = b"e"  # every entry holds one encoded event under this field
 DLQ = "dlq"
+DLQ_KEPT = 10_000  # dead letters kept per job (about the newest; XADD MAXLEN ~)
+TRIM_EVERY_S = 1.0  # a consumer trims a stream past every group's acks on at most this often, after an ack
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +57,16 @@ def job_key(job_id: str, name: str) -> str:
 class RedisBus:
     """Streams namespaced as `jetroll:{job_id}:{name}`; every method takes the short name, e.g. "traj:raw"."""
 
-    def __init__(self, url: str, job_id: str, *, max_deliveries: int = 5, claim_idle_ms: int = 15000) -> None:
+    def __init__(self, url: str, job_id: str, *, max_deliveries: int = 5, claim_idle_ms: int = 15000,
+                 trim_every_s: float | None = TRIM_EVERY_S) -> None:
+        """`trim_every_s`: how often `ack` trims the stream past what every group has acked (None: never)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
         self.job_id = job_id
         self.max_deliveries = max_deliveries
         self.claim_idle_ms = claim_idle_ms
+        self.trim_every_s = trim_every_s
+        self._trimmed_at: dict[str, float] = {}  # stream -> monotonic time of its last trim by this bus
         # RESP2 pinned so reply shapes are the same on every server version.
         self.redis: aioredis.Redis = aioredis.Redis.from_url(url, protocol=2)
 
@@ -177,8 +184,17 @@ class RedisBus:
         return Delivery(entry_id=entry_id, event=event, times_delivered=times_delivered)
 
     async def ack(self, stream: str, group: str, *entry_ids: str) -> None:
-        if entry_ids:
-            await self.redis.xack(self.key(stream), group, *entry_ids)
+        """XACK, then, at most every `trim_every_s`, trim the stream past what every group has acked: its consumers
+        keep a group-read stream bounded by the slowest group's unfinished entries."""
+        if not entry_ids:
+            return
+        await self.redis.xack(self.key(stream), group, *entry_ids)
+        if self.trim_every_s is None:
+            return
+        now = time.monotonic()
+        if now - self._trimmed_at.get(stream, -self.trim_every_s) >= self.trim_every_s:
+            self._trimmed_at[stream] = now  # before the await: concurrent acks do not trim twice
+            await self.trim_acked(stream)
 
     async def keep_claimed(self, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
         """Reset the idle time of entries still being worked on (XCLAIM JUSTID: no delivery is counted),
@@ -248,7 +264,7 @@ class RedisBus:
         fields: dict[str, str | bytes] = {"stream": stream, "entry_id": entry_id, "reason": reason}
         if payload is not None:
             fields["payload"] = payload
-        await self.redis.xadd(self.key(DLQ), fields)
+        await self.redis.xadd(self.key(DLQ), fields, maxlen=DLQ_KEPT, approximate=True)
 
     async def read_dlq(self) -> list[dict[str, str | bytes]]:
         """All dlq records, oldest first; `payload` stays bytes, other fields are str."""
@@ -263,7 +279,9 @@ class RedisBus:
     async def trim_acked(self, stream: str) -> int:
         """XTRIM MINID to the oldest entry some group has not acked; returns the number of entries removed.
 
-        A stream without groups is never trimmed: nobody has acked anything.
+        A stream without groups is never trimmed: nobody has acked anything. Every group of a stream must exist
+        before its entries are trimmed (each of jetroll's group-read streams has one group, created by its consumer
+        before it reads), since a group created later starts at what is left.
         """
         key = self.key(stream)
         groups = await self.redis.xinfo_groups(key)
@@ -275,7 +293,8 @@ class RedisBus:
             boundary = _next_id(_s(info["last-delivered-id"]))
             if int(info["pending"]):
                 summary = await self.redis.xpending(key, info["name"])
-                boundary = min(boundary, _s(summary["min"]), key=_id_tuple)
+                if summary["min"] is not None:  # None: acked since XINFO, e.g. by a concurrent ack of this consumer
+                    boundary = min(boundary, _s(summary["min"]), key=_id_tuple)
             boundaries.append(boundary)
         min_id = min(boundaries, key=_id_tuple)
         return int(await self.redis.xtrim(key, minid=min_id, approximate=False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,7 +23,7 @@ def metric(job_id: str, step: int) -> MetricsEvent:
     return MetricsEvent(job_id=job_id, service="test", name="x", value=float(step), step=step, time=0.0)
 
 
-def run_with_bus(url: str, body: Callable[[RedisBus], Awaitable[None]], **kwargs: int) -> None:
+def run_with_bus(url: str, body: Callable[[RedisBus], Awaitable[None]], **kwargs: Any) -> None:
     async def main() -> None:
         bus = RedisBus(url, f"test-{uuid.uuid4().hex[:8]}", **kwargs)
         try:
@@ -177,7 +178,7 @@ def test_lag_counts_unread_plus_pending(any_redis_url: str) -> None:
         with pytest.raises(ValueError, match="no consumer group"):
             await bus.lag(STREAM, "missing")
 
-    run_with_bus(any_redis_url, body)
+    run_with_bus(any_redis_url, body, trim_every_s=None)  # a group created late must find the acked entries
 
 
 def test_wait_for_capacity_blocks_until_acks(any_redis_url: str) -> None:
@@ -226,7 +227,50 @@ def test_trim_acked_keeps_everything_some_group_has_not_acked(any_redis_url: str
         await bus.publish("weights", metric(bus.job_id, 0))
         assert await bus.trim_acked("weights") == 0
 
-    run_with_bus(any_redis_url, body)
+    run_with_bus(any_redis_url, body, trim_every_s=None)
+
+
+def test_acks_trim_past_the_slowest_group_and_keep_its_unacked_entries(any_redis_url: str) -> None:
+    """Consumers trim as they ack (here on every ack): up to the oldest entry some group has not acked, so a slow
+    group keeps what it has not read and what it has read but not acked (still there to reclaim)."""
+    async def body(bus: RedisBus) -> None:
+        key = bus.key(STREAM)
+        await bus.ensure_group(STREAM, "slow")
+        ids = await bus.publish_many(STREAM, [metric(bus.job_id, i) for i in range(8)])
+        fast = await bus.consume(STREAM, GROUP, "a", count=8, block_ms=50)
+        await bus.ack(STREAM, GROUP, *(d.entry_id for d in fast))
+        assert await bus.redis.xlen(key) == 8  # the slow group has read nothing yet
+
+        slow = await bus.consume(STREAM, "slow", "b", count=5, block_ms=50)
+        await bus.ack(STREAM, "slow", ids[0], ids[1], ids[3])  # ids[2] and ids[4] pending, ids[5:] unread
+        assert [_s(i) for i, _ in await bus.redis.xrange(key)] == ids[2:]
+        assert [d.entry_id for d in slow] == ids[:5]
+
+        # the dead consumer's pending entries are reclaimed whole, then the rest is read
+        reclaimed = await bus.consume(STREAM, "slow", "c", count=8, block_ms=50)
+        assert [(d.entry_id, d.event.step) for d in reclaimed] == [(ids[2], 2), (ids[4], 4)]
+        await bus.ack(STREAM, "slow", ids[2])
+        assert [_s(i) for i, _ in await bus.redis.xrange(key)] == ids[4:]
+        await bus.ack(STREAM, "slow", ids[4])
+        assert [_s(i) for i, _ in await bus.redis.xrange(key)] == ids[5:]
+        rest = await bus.consume(STREAM, "slow", "c", count=8, block_ms=50)
+        assert [d.entry_id for d in rest] == ids[5:]
+        await bus.ack(STREAM, "slow", *ids[5:])
+        assert await bus.redis.xlen(key) == 0
+        assert await bus.lag(STREAM, GROUP) == 0 and await bus.lag(STREAM, "slow") == 0
+
+    run_with_bus(any_redis_url, body, trim_every_s=0.0, claim_idle_ms=0)
+
+
+def test_a_consumer_trims_a_stream_at_most_every_trim_every_s(any_redis_url: str) -> None:
+    async def body(bus: RedisBus) -> None:
+        ids = await bus.publish_many(STREAM, [metric(bus.job_id, i) for i in range(4)])
+        await bus.consume(STREAM, GROUP, "a", count=4, block_ms=50)
+        await bus.ack(STREAM, GROUP, ids[0])  # the first ack trims
+        await bus.ack(STREAM, GROUP, *ids[1:])  # within the hour: no trim
+        assert [_s(i) for i, _ in await bus.redis.xrange(bus.key(STREAM))] == ids[1:]
+
+    run_with_bus(any_redis_url, body, trim_every_s=3600.0)
 
 
 def test_tail_reads_in_order_and_dead_letters_garbage(any_redis_url: str) -> None:

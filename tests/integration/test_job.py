@@ -156,6 +156,17 @@ def kill_service(job: Job, kind: str, not_pid: int | None = None) -> int:
     return pids[0]
 
 
+def hold_streams(redis_url: str, job_id: str, *streams: str) -> None:
+    """Give each of the job's `streams` an `audit` consumer group that never reads, before the job starts: its
+    consumers trim only past what every group has acked, so the stream keeps every entry for the test to read."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for stream in streams:
+            client.xgroup_create(f"jetroll:{job_id}:{stream}", "audit", id="0", mkstream=True)
+    finally:
+        client.close()
+
+
 def audit_ledger(redis_url: str, job_id: str, max_steps: int, groups_per_step: int, group_size: int) -> dict:
     """Every admitted group in the ledger once, trained or dropped with a reason; no traj_id twice; none lost."""
     client = redis.Redis.from_url(redis_url)

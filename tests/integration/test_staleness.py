@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from test_job import hold_streams
 
 from services.controller.admission import IN_FLIGHT
 from services.init_model import init_weights, model_args
@@ -180,6 +181,7 @@ def test_bound_holds_end_to_end(model_dir: Path, redis_url: str, tmp_path: Path)
                  "timing": {"mean_tokens": 64, "cv": 3.0, "token_time_s": 0.002, "seed": 3}},
         trainer={"engine": "timing", "timing_step_s": 0.05, "max_steps": 24, "groups_per_step": 4, "group_size": 4},
         staleness={"max_staleness": 1}, reward={"num_workers": 2})
+    hold_streams(redis_url, config.job_id, "traj:scored")
     launcher = Launcher(config, tmp_path, redis_url, is_console=False)
     try:
         assert launcher.supervise() == 0
