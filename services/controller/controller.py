@@ -9,13 +9,14 @@ import random
 import time
 from pathlib import Path
 
-from services.controller.admission import IN_FLIGHT, Admission, in_flight_caps
+from services.controller.admission import Admission, in_flight_caps
 from services.controller.progress import MetricsBook, ProgressView, plot_curves
 from services.controller.routing import route_tasks
 from services.evaluate import evaluate
 from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
+from shared.ledger import IN_FLIGHT, Ledger, LedgerTotals, group_id
 from shared.model import load_pretrained
 from shared.store import WeightStore, WeightStoreError
 from shared.tasks import get_task
@@ -42,6 +43,7 @@ class Controller:
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
         self.book = MetricsBook(run_dir)
+        self.ledger = Ledger(bus)
         self.version = 0
         self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
         log.info("task -> rollout pool: %s", self.pool_of_task)
@@ -77,10 +79,11 @@ class Controller:
                         except WeightStoreError as exc:  # retention may already have removed it
                             log.warning("skipping the held-out eval of v%d: %s", version, exc)
                     self.version = view.version = max(self.version, version)
-                self.admission.num_dropped = self.book.num_dropped
+                # the trainer's ledger, not the metrics stream, counts drops: it outlives any retention
+                self.admission.num_dropped = view.num_dropped = (await self.ledger.totals()).num_dropped
                 view.update()
         accuracy_after = await self._evaluate(self.version)
-        summary = self._summary(accuracy_before, accuracy_after, time.time() - started)
+        summary = self._summary(accuracy_before, accuracy_after, time.time() - started, await self.ledger.totals())
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         return summary
@@ -110,7 +113,7 @@ class Controller:
         # the counter lives in Redis so a restarted controller never reuses a group_id
         last = await self.bus.redis.incrby(self.bus.key("num_admitted"), len(events))
         for index, event in enumerate(events, start=last - len(events) + 1):
-            event.group_id = f"g{index:07d}"
+            event.group_id = group_id(index)
             self.task_of_group[event.group_id] = event.task
         for pool in {e.pool for e in events}:
             batch = [e for e in events if e.pool == pool]
@@ -161,7 +164,7 @@ class Controller:
                 lags[stream] = 0
         return lags
 
-    def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float, ledger: LedgerTotals) -> dict:
         mismatch, coverage = self.book.mismatch()
         return {
             "job_id": self.config.job_id,
@@ -175,11 +178,10 @@ class Controller:
             "mismatch_mean_abs_logprob": mismatch,
             "mismatch_coverage": coverage,
             "groups_admitted": self.admission.num_admitted,
-            "groups_dropped": self.book.num_dropped,
+            "groups_dropped": ledger.num_dropped,
             "groups_trained_by_task": {
                 k.split("/", 1)[1]: int(v) for k, v in self.book.totals.items() if k.startswith("groups/")},
-            "dropped_by_status": {
-                k.split("/", 1)[1]: v for k, v in self.book.totals.items() if k.startswith("dropped/")},
+            "dropped_by_status": ledger.dropped_by_status(),
             "precision": self.config.precision.mode,
             "staleness": self.config.staleness.model_dump(),
             "wall_time_s": wall_s,
