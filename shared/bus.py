@@ -73,9 +73,9 @@ class RedisBus:
     def key(self, name: str) -> str:
         return job_key(self.job_id, name)
 
-    async def publish(self, stream: str, event: Event) -> str:
-        """XADD one event; returns its entry id."""
-        return _s(await self.redis.xadd(self.key(stream), {FIELD: encode(event)}))
+    async def publish(self, stream: str, event: Event, *, maxlen: int | None = None) -> str:
+        """XADD one event, keeping only the newest `maxlen` entries when given; returns its entry id."""
+        return _s(await self.redis.xadd(self.key(stream), {FIELD: encode(event)}, maxlen=maxlen, approximate=False))
 
     async def publish_many(self, stream: str, events: list[Event]) -> list[str]:
         """XADD several events in one pipeline; returns their entry ids in order."""
@@ -298,6 +298,13 @@ class RedisBus:
             boundaries.append(boundary)
         min_id = min(boundaries, key=_id_tuple)
         return int(await self.redis.xtrim(key, minid=min_id, approximate=False))
+
+    async def trim_before(self, stream: str, entry_id: str, keep_s: float) -> int:
+        """XTRIM MINID: drop the entries more than `keep_s` older than `entry_id` (an id's first part is the server's
+        clock in ms); returns the number removed. A tailing reader trims behind what it has read."""
+        ms, _ = _id_tuple(entry_id)
+        min_id = f"{max(0, ms - round(keep_s * 1000))}-0"
+        return int(await self.redis.xtrim(self.key(stream), minid=min_id, approximate=False))
 
     async def close(self) -> None:
         await self.redis.aclose()

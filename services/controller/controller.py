@@ -25,6 +25,10 @@ from shared.tokenizer import load_tokenizer
 log = logging.getLogger("jetroll.controller")
 
 WATCHED_STREAMS = (("traj:raw", "reward"), ("traj:scored", "trainer"))
+# the controller alone tails metrics: it trims them behind what it has read, keeping this much for a restarted life
+# to rebuild the step in progress (written rows come back from metrics.jsonl, drops from the ledger)
+METRICS_KEEP_S = 30.0
+METRICS_TRIM_EVERY_S = 5.0
 
 
 class Controller:
@@ -56,6 +60,7 @@ class Controller:
             await asyncio.sleep(0.2)
         accuracy_before = self._first_eval() or await self._evaluate(latest)
         weights_id = metrics_id = "0-0"
+        trimmed_at = time.monotonic()
         with ProgressView(self.book, self.config.trainer.max_steps, self.task_names) as view:
             while self.version < self.config.trainer.max_steps:
                 await self._admit()
@@ -70,6 +75,9 @@ class Controller:
                     if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
                         view.stream_lags = await self._stream_lags()
                         view.update(row)
+                if time.monotonic() - trimmed_at >= METRICS_TRIM_EVERY_S:
+                    await self.bus.trim_before("metrics", metrics_id, METRICS_KEEP_S)
+                    trimmed_at = time.monotonic()
                 # evaluate a version only once its weights event says it is in the store
                 every = self.config.eval.every_steps
                 for version in published:

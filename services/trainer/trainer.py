@@ -30,6 +30,7 @@ from shared.store import Manifest, WeightStore
 log = logging.getLogger("jetroll.trainer")
 
 STREAM, GROUP = "traj:scored", "trainer"
+WEIGHTS_KEPT = 256  # weights announcements kept: readers need the newest; a controller this far behind skips evals
 
 
 def gradient_rows(rewards: torch.Tensor, has_kl: bool) -> torch.Tensor:
@@ -321,7 +322,8 @@ class Trainer:
         await self.bus.publish("weights", WeightsPublishedEvent(
             job_id=self.config.job_id, version=manifest.version, step=manifest.step,
             manifest_uri=self.store.uri(manifest.version), shard_sha256={s.key: s.sha256 for s in manifest.shards},
-            size_bytes=sum(s.size_bytes for s in manifest.shards), precision_id=manifest.precision_id))
+            size_bytes=sum(s.size_bytes for s in manifest.shards), precision_id=manifest.precision_id),
+            maxlen=WEIGHTS_KEPT)
 
     async def _resume_or_publish_base(self) -> None:
         """Fresh: publish v0 and checkpoint it. Resumed: restore the last checkpoint and move on from the

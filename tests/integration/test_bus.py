@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from shared.bus import RedisBus
-from shared.events import MetricsEvent, decode
+from shared.bus import FIELD, RedisBus
+from shared.events import MetricsEvent, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -271,6 +271,26 @@ def test_a_consumer_trims_a_stream_at_most_every_trim_every_s(any_redis_url: str
         assert [_s(i) for i, _ in await bus.redis.xrange(bus.key(STREAM))] == ids[1:]
 
     run_with_bus(any_redis_url, body, trim_every_s=3600.0)
+
+
+def test_tailed_streams_keep_the_newest_entries(any_redis_url: str) -> None:
+    """`weights` keeps its newest N announcements as it is written; `metrics` is trimmed by its reader, behind what
+    it has read, keeping a time window."""
+    async def body(bus: RedisBus) -> None:
+        ids = [await bus.publish("weights", metric(bus.job_id, i), maxlen=3) for i in range(5)]
+        assert [_s(i) for i, _ in await bus.redis.xrange(bus.key("weights"))] == ids[2:]
+        _, events = await bus.tail("weights")
+        assert [e.step for e in events] == [2, 3, 4]
+
+        key = bus.key("metrics")
+        for ms in (1000, 5000, 7999, 8000, 9500, 12000):
+            await bus.redis.xadd(key, {FIELD: encode(metric(bus.job_id, ms))}, id=f"{ms}-0")
+        assert await bus.trim_before("metrics", "10000-3", keep_s=2.0) == 3
+        _, events = await bus.tail("metrics")
+        assert [e.step for e in events] == [8000, 9500, 12000]  # within 2 s of the reader, or after it
+        assert await bus.trim_before("metrics", "0-0", keep_s=2.0) == 0  # a reader that has read nothing
+
+    run_with_bus(any_redis_url, body)
 
 
 def test_tail_reads_in_order_and_dead_letters_garbage(any_redis_url: str) -> None:
