@@ -196,6 +196,24 @@ class RedisBus:
             self._trimmed_at[stream] = now  # before the await: concurrent acks do not trim twice
             await self.trim_acked(stream)
 
+    async def claim_first(self, name: str, member: str, entry_id: str) -> bool:
+        """Dedupe on a key: True for the first entry to claim `member` in the hash `name` (and for redeliveries of
+        that same entry), False for any other entry carrying it."""
+        key = self.key(name)
+        if await self.redis.hsetnx(key, member, entry_id):
+            return True
+        owner = await self.redis.hget(key, member)
+        return owner is not None and _s(owner) == entry_id
+
+    async def claimed(self, name: str) -> list[str]:
+        """The members claimed in the hash `name`."""
+        return [_s(member) for member in await self.redis.hkeys(self.key(name))]
+
+    async def release(self, name: str, members: list[str]) -> None:
+        """Forget the claims of `members` in the hash `name`: the next entry carrying one claims it anew."""
+        if members:
+            await self.redis.hdel(self.key(name), *members)
+
     async def keep_claimed(self, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
         """Reset the idle time of entries still being worked on (XCLAIM JUSTID: no delivery is counted),
         so XAUTOCLAIM never hands a live consumer's work to someone else, or back to itself."""
