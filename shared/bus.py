@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -323,6 +324,25 @@ class RedisBus:
         ms, _ = _id_tuple(entry_id)
         min_id = f"{max(0, ms - round(keep_s * 1000))}-0"
         return int(await self.redis.xtrim(self.key(stream), minid=min_id, approximate=False))
+
+    async def memory(self) -> dict[str, Any]:
+        """The server's `used_memory` and the MEMORY USAGE of each of this job's keys (every element counted), in
+        bytes: {"used_memory_bytes", "job_keys_bytes" (their sum), "keys": {short name: bytes}}. Per-item keys
+        (a reward backend's records, `reward:celery:<traj_id>:<attempt>`) are summed as `reward:celery:*`."""
+        prefix = self.key("")
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"  # a job_id is matched literally
+        names = sorted({_s(key) async for key in self.redis.scan_iter(match=pattern, count=1000)})
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.memory_usage(name, samples=0)
+            sizes = await pipe.execute()
+        keys: dict[str, int] = {}
+        for name, size in zip(names, sizes, strict=True):
+            parts = name.removeprefix(prefix).split(":")
+            short = ":".join(parts) if len(parts) <= 2 else ":".join([*parts[:2], "*"])
+            keys[short] = keys.get(short, 0) + int(size or 0)
+        used = int((await self.redis.info("memory"))["used_memory"])
+        return {"used_memory_bytes": used, "job_keys_bytes": sum(keys.values()), "keys": keys}
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -86,12 +86,15 @@ class Controller:
                             await self._evaluate(version)
                         except WeightStoreError as exc:  # retention may already have removed it
                             log.warning("skipping the held-out eval of v%d: %s", version, exc)
+                        await self._report_memory(version)
                     self.version = view.version = max(self.version, version)
                 # the trainer's ledger, not the metrics stream, counts drops: it outlives any retention
                 self.admission.num_dropped = view.num_dropped = (await self.ledger.totals()).num_dropped
                 view.update()
         accuracy_after = await self._evaluate(self.version)
-        summary = self._summary(accuracy_before, accuracy_after, time.time() - started, await self.ledger.totals())
+        memory = await self._report_memory(self.version)
+        summary = self._summary(accuracy_before, accuracy_after, time.time() - started, await self.ledger.totals(),
+                                memory)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         return summary
@@ -153,6 +156,15 @@ class Controller:
         log.info("held-out accuracy at v%d: %s", version, accuracy)
         return accuracy
 
+    async def _report_memory(self, version: int) -> dict:
+        """Redis's used memory and this job's keys by size, with the evals: a line of redis_memory.jsonl."""
+        memory = await self.bus.memory()
+        with (self.run_dir / "redis_memory.jsonl").open("a") as f:
+            f.write(json.dumps({"version": version, **memory}) + "\n")
+        log.info("redis at v%d: used_memory %d bytes, the job's keys %d", version, memory["used_memory_bytes"],
+                 memory["job_keys_bytes"])
+        return memory
+
     def _first_eval(self) -> dict[str, float] | None:
         """The base model's accuracy, if an earlier life of this controller measured it."""
         path = self.run_dir / "eval.jsonl"
@@ -172,7 +184,8 @@ class Controller:
                 lags[stream] = 0
         return lags
 
-    def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float, ledger: LedgerTotals) -> dict:
+    def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float, ledger: LedgerTotals,
+                 memory: dict) -> dict:
         mismatch, coverage = self.book.mismatch()
         return {
             "job_id": self.config.job_id,
@@ -192,5 +205,6 @@ class Controller:
             "dropped_by_status": ledger.dropped_by_status(),
             "precision": self.config.precision.mode,
             "staleness": self.config.staleness.model_dump(),
+            "redis_memory": memory,
             "wall_time_s": wall_s,
         }

@@ -293,6 +293,26 @@ def test_tailed_streams_keep_the_newest_entries(any_redis_url: str) -> None:
     run_with_bus(any_redis_url, body)
 
 
+def test_memory_reports_the_jobs_keys_by_size(any_redis_url: str) -> None:
+    async def body(bus: RedisBus) -> None:
+        other = RedisBus(any_redis_url, bus.job_id + "*")  # a glob character in a job_id is matched literally
+        try:
+            await other.publish("metrics", metric(other.job_id, 0))
+            await bus.publish_many("traj:scored", [metric(bus.job_id, i) for i in range(50)])
+            await bus.publish("metrics", metric(bus.job_id, 0))
+            for traj_id in ("g1:0", "g1:1"):
+                await bus.redis.set(bus.key(f"reward:lambda:{traj_id}"), "{}")
+            memory = await bus.memory()
+        finally:
+            await other.redis.delete(other.key("metrics"))
+            await other.close()
+        assert set(memory["keys"]) == {STREAM, "traj:scored", "metrics", "reward:lambda:*"}  # STREAM: the group's
+        assert memory["keys"]["traj:scored"] > memory["keys"]["metrics"] > 0
+        assert memory["job_keys_bytes"] == sum(memory["keys"].values()) < memory["used_memory_bytes"]
+
+    run_with_bus(any_redis_url, body)
+
+
 def test_tail_reads_in_order_and_dead_letters_garbage(any_redis_url: str) -> None:
     async def body(bus: RedisBus) -> None:
         await bus.publish("metrics", metric(bus.job_id, 0))

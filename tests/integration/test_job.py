@@ -31,6 +31,9 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "configs" / "smoke.yaml"
 JOB_TIMEOUT_S = 180.0
+# replicas: the Ray launcher's; reward:celery:*: the Celery backend's idempotency records, which expire
+JOB_KEYS = {"groups:default", "traj:raw", "traj:scored", "metrics", "weights", "dlq", "ledger", "ledger:totals",
+            "seen:reward", "in_flight", "num_admitted", "replicas", "reward:celery:*"}
 
 
 @pytest.fixture(scope="session")
@@ -216,6 +219,10 @@ def check_summary(job: Job, max_steps: int) -> dict:
     rows = job.metrics()
     assert [int(r["step"]) for r in rows] == list(range(1, max_steps + 1))
     assert (job.run_dir / "curves.png").stat().st_size > 0
+    # every key of the job is one that retention bounds
+    memory = summary["redis_memory"]
+    assert set(memory["keys"]) <= JOB_KEYS, sorted(set(memory["keys"]) - JOB_KEYS)
+    assert 0 < memory["job_keys_bytes"] < memory["used_memory_bytes"]
     weights = job.run_dir / "store" / job.job_id / "weights"
     latest = int((weights / "LATEST").read_text().strip())
     assert latest == max_steps
