@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +14,8 @@ from shared.events import AnyEvent, Event, EventDecodeError, decode, encode
 
 FIELD = b"e"  # every entry holds one encoded event under this field
 DLQ = "dlq"
+DLQ_KEPT = 10_000  # dead letters kept per job (about the newest; XADD MAXLEN ~)
+TRIM_EVERY_S = 1.0  # a consumer trims a stream past every group's acks on at most this often, after an ack
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,21 +58,25 @@ def job_key(job_id: str, name: str) -> str:
 class RedisBus:
     """Streams namespaced as `jetroll:{job_id}:{name}`; every method takes the short name, e.g. "traj:raw"."""
 
-    def __init__(self, url: str, job_id: str, *, max_deliveries: int = 5, claim_idle_ms: int = 15000) -> None:
+    def __init__(self, url: str, job_id: str, *, max_deliveries: int = 5, claim_idle_ms: int = 15000,
+                 trim_every_s: float | None = TRIM_EVERY_S) -> None:
+        """`trim_every_s`: how often `ack` trims the stream past what every group has acked (None: never)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
         self.job_id = job_id
         self.max_deliveries = max_deliveries
         self.claim_idle_ms = claim_idle_ms
+        self.trim_every_s = trim_every_s
+        self._trimmed_at: dict[str, float] = {}  # stream -> monotonic time of its last trim by this bus
         # RESP2 pinned so reply shapes are the same on every server version.
         self.redis: aioredis.Redis = aioredis.Redis.from_url(url, protocol=2)
 
     def key(self, name: str) -> str:
         return job_key(self.job_id, name)
 
-    async def publish(self, stream: str, event: Event) -> str:
-        """XADD one event; returns its entry id."""
-        return _s(await self.redis.xadd(self.key(stream), {FIELD: encode(event)}))
+    async def publish(self, stream: str, event: Event, *, maxlen: int | None = None) -> str:
+        """XADD one event, keeping only the newest `maxlen` entries when given; returns its entry id."""
+        return _s(await self.redis.xadd(self.key(stream), {FIELD: encode(event)}, maxlen=maxlen, approximate=False))
 
     async def publish_many(self, stream: str, events: list[Event]) -> list[str]:
         """XADD several events in one pipeline; returns their entry ids in order."""
@@ -177,8 +185,35 @@ class RedisBus:
         return Delivery(entry_id=entry_id, event=event, times_delivered=times_delivered)
 
     async def ack(self, stream: str, group: str, *entry_ids: str) -> None:
-        if entry_ids:
-            await self.redis.xack(self.key(stream), group, *entry_ids)
+        """XACK, then, at most every `trim_every_s`, trim the stream past what every group has acked: its consumers
+        keep a group-read stream bounded by the slowest group's unfinished entries."""
+        if not entry_ids:
+            return
+        await self.redis.xack(self.key(stream), group, *entry_ids)
+        if self.trim_every_s is None:
+            return
+        now = time.monotonic()
+        if now - self._trimmed_at.get(stream, -self.trim_every_s) >= self.trim_every_s:
+            self._trimmed_at[stream] = now  # before the await: concurrent acks do not trim twice
+            await self.trim_acked(stream)
+
+    async def claim_first(self, name: str, member: str, entry_id: str) -> bool:
+        """Dedupe on a key: True for the first entry to claim `member` in the hash `name` (and for redeliveries of
+        that same entry), False for any other entry carrying it."""
+        key = self.key(name)
+        if await self.redis.hsetnx(key, member, entry_id):
+            return True
+        owner = await self.redis.hget(key, member)
+        return owner is not None and _s(owner) == entry_id
+
+    async def claimed(self, name: str) -> list[str]:
+        """The members claimed in the hash `name`."""
+        return [_s(member) for member in await self.redis.hkeys(self.key(name))]
+
+    async def release(self, name: str, members: list[str]) -> None:
+        """Forget the claims of `members` in the hash `name`: the next entry carrying one claims it anew."""
+        if members:
+            await self.redis.hdel(self.key(name), *members)
 
     async def keep_claimed(self, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
         """Reset the idle time of entries still being worked on (XCLAIM JUSTID: no delivery is counted),
@@ -248,7 +283,7 @@ class RedisBus:
         fields: dict[str, str | bytes] = {"stream": stream, "entry_id": entry_id, "reason": reason}
         if payload is not None:
             fields["payload"] = payload
-        await self.redis.xadd(self.key(DLQ), fields)
+        await self.redis.xadd(self.key(DLQ), fields, maxlen=DLQ_KEPT, approximate=True)
 
     async def read_dlq(self) -> list[dict[str, str | bytes]]:
         """All dlq records, oldest first; `payload` stays bytes, other fields are str."""
@@ -263,7 +298,9 @@ class RedisBus:
     async def trim_acked(self, stream: str) -> int:
         """XTRIM MINID to the oldest entry some group has not acked; returns the number of entries removed.
 
-        A stream without groups is never trimmed: nobody has acked anything.
+        A stream without groups is never trimmed: nobody has acked anything. Every group of a stream must exist
+        before its entries are trimmed (each of jetroll's group-read streams has one group, created by its consumer
+        before it reads), since a group created later starts at what is left.
         """
         key = self.key(stream)
         groups = await self.redis.xinfo_groups(key)
@@ -275,10 +312,37 @@ class RedisBus:
             boundary = _next_id(_s(info["last-delivered-id"]))
             if int(info["pending"]):
                 summary = await self.redis.xpending(key, info["name"])
-                boundary = min(boundary, _s(summary["min"]), key=_id_tuple)
+                if summary["min"] is not None:  # None: acked since XINFO, e.g. by a concurrent ack of this consumer
+                    boundary = min(boundary, _s(summary["min"]), key=_id_tuple)
             boundaries.append(boundary)
         min_id = min(boundaries, key=_id_tuple)
         return int(await self.redis.xtrim(key, minid=min_id, approximate=False))
+
+    async def trim_before(self, stream: str, entry_id: str, keep_s: float) -> int:
+        """XTRIM MINID: drop the entries more than `keep_s` older than `entry_id` (an id's first part is the server's
+        clock in ms); returns the number removed. A tailing reader trims behind what it has read."""
+        ms, _ = _id_tuple(entry_id)
+        min_id = f"{max(0, ms - round(keep_s * 1000))}-0"
+        return int(await self.redis.xtrim(self.key(stream), minid=min_id, approximate=False))
+
+    async def memory(self) -> dict[str, Any]:
+        """The server's `used_memory` and the MEMORY USAGE of each of this job's keys (every element counted), in
+        bytes: {"used_memory_bytes", "job_keys_bytes" (their sum), "keys": {short name: bytes}}. Per-item keys
+        (a reward backend's records, `reward:celery:<traj_id>:<attempt>`) are summed as `reward:celery:*`."""
+        prefix = self.key("")
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"  # a job_id is matched literally
+        names = sorted({_s(key) async for key in self.redis.scan_iter(match=pattern, count=1000)})
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.memory_usage(name, samples=0)
+            sizes = await pipe.execute()
+        keys: dict[str, int] = {}
+        for name, size in zip(names, sizes, strict=True):
+            parts = name.removeprefix(prefix).split(":")
+            short = ":".join(parts) if len(parts) <= 2 else ":".join([*parts[:2], "*"])
+            keys[short] = keys.get(short, 0) + int(size or 0)
+        used = int((await self.redis.info("memory"))["used_memory"])
+        return {"used_memory_bytes": used, "job_keys_bytes": sum(keys.values()), "keys": keys}
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -423,6 +423,9 @@ class RedisConfig(Strict):
     max_deliveries: int = Field(5, ge=1, description="deliveries before an entry goes to the dlq")
     claim_idle_ms: int = Field(30000, ge=100, description="XAUTOCLAIM entries idle this long")
     max_lag: int = Field(2048, ge=1, description="backpressure: producers wait while consumer lag exceeds")
+    ledger_keep_groups: int = Field(1024, ge=0, description="outcomes the ledger keeps of groups below its fully "
+                                    "recorded prefix, for audits; older groups count only in its totals, which "
+                                    "bounds its memory")
 
 
 class EvalConfig(Strict):

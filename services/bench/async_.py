@@ -112,6 +112,8 @@ def job_tree(scale: Scale, setting: Setting, timing: TimingEngineConfig, model_p
         "staleness": {"mode": setting.mode, "max_staleness": setting.eta},
         "store": {"root": str(run_dir / "store"), "keep_last": 2},
         "eval": {"num_problems": 1},
+        # measure() reads every trained group's outcome: room for them and as many dropped ones
+        "redis": {"ledger_keep_groups": 2 * scale.num_steps * scale.num_groups},
     }
 
 
@@ -145,8 +147,10 @@ def measure(scale: Scale, setting: Setting, timing: TimingEngineConfig, duration
     first, window = rows[scale.num_warmup_steps - 1], rows[scale.num_warmup_steps:]
     window_s = window[-1]["time_s"] - first["time_s"]
     ledger = read_ledger(redis_url, tree["job_id"])
-    trained = [o for o in ledger.values() if o["status"] == "trained" and o["step"] > scale.num_warmup_steps]
-    num_trajectories = sum(len(o["traj_ids"]) for o in trained)
+    trained = {g: o for g, o in ledger.items() if o["status"] == "trained" and o["step"] > scale.num_warmup_steps}
+    num_trajectories = sum(o["num_samples"] for o in trained.values())
+    num_trained = sum(o["status"] == "trained" for o in ledger.values())
+    assert num_trained == scale.num_steps * scale.num_groups, f"the ledger kept {num_trained} trained groups"
     hist: dict[int, int] = {}
     for row in window:
         for key, count in row.items():
@@ -178,8 +182,8 @@ def measure(scale: Scale, setting: Setting, timing: TimingEngineConfig, duration
     if setting.mode == "sync" and not setting.is_stress:
         # the ideal of the draws this run got: each step waits for its longest trajectory, then trains
         steps: dict[int, float] = {}
-        for outcome in trained:
-            longest = max(durations(traj_id)[0] for traj_id in outcome["traj_ids"])
+        for group, outcome in trained.items():
+            longest = max(durations(f"{group}:{sample}")[0] for sample in range(outcome["num_samples"]))
             steps[outcome["step"]] = max(steps.get(outcome["step"], 0.0), longest)
         row["realized_ideal_trajectories_per_s"] = num_trajectories / sum(m + setting.train_s for m in steps.values())
     log.info("%s: %.0f trajectories/s (event model %.0f), lag mean %.2f max %d, %.0f s", setting.name,

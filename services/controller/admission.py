@@ -8,12 +8,6 @@ from dataclasses import dataclass, field
 
 from shared.config import JobConfig
 
-# sorted set group_id -> oldest version its tokens can carry, over groups admitted but not yet trained or dropped.
-# The controller adds a group at v_adm in the transaction that publishes it; a rollout worker lowers the score to the
-# version it starts the group with (it may not have swapped to v_adm yet); the trainer removes the group in the
-# transaction that records it in the ledger, and waits for any group that would otherwise pass eta_hard.
-IN_FLIGHT = "in_flight"
-
 
 def task_shares(config: JobConfig) -> dict[str, float]:
     total = sum(task.weight for task in config.tasks)

@@ -9,13 +9,14 @@ import random
 import time
 from pathlib import Path
 
-from services.controller.admission import IN_FLIGHT, Admission, in_flight_caps
+from services.controller.admission import Admission, in_flight_caps
 from services.controller.progress import MetricsBook, ProgressView, plot_curves
 from services.controller.routing import route_tasks
 from services.evaluate import evaluate
 from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
+from shared.ledger import IN_FLIGHT, Ledger, LedgerTotals, group_id
 from shared.model import load_pretrained
 from shared.store import WeightStore, WeightStoreError
 from shared.tasks import get_task
@@ -24,6 +25,10 @@ from shared.tokenizer import load_tokenizer
 log = logging.getLogger("jetroll.controller")
 
 WATCHED_STREAMS = (("traj:raw", "reward"), ("traj:scored", "trainer"))
+# the controller alone tails metrics: it trims them behind what it has read, keeping this much for a restarted life
+# to rebuild the step in progress (written rows come back from metrics.jsonl, drops from the ledger)
+METRICS_KEEP_S = 30.0
+METRICS_TRIM_EVERY_S = 5.0
 
 
 class Controller:
@@ -42,6 +47,7 @@ class Controller:
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
         self.book = MetricsBook(run_dir)
+        self.ledger = Ledger(bus)
         self.version = 0
         self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
         log.info("task -> rollout pool: %s", self.pool_of_task)
@@ -54,6 +60,7 @@ class Controller:
             await asyncio.sleep(0.2)
         accuracy_before = self._first_eval() or await self._evaluate(latest)
         weights_id = metrics_id = "0-0"
+        trimmed_at = time.monotonic()
         with ProgressView(self.book, self.config.trainer.max_steps, self.task_names) as view:
             while self.version < self.config.trainer.max_steps:
                 await self._admit()
@@ -68,6 +75,9 @@ class Controller:
                     if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
                         view.stream_lags = await self._stream_lags()
                         view.update(row)
+                if time.monotonic() - trimmed_at >= METRICS_TRIM_EVERY_S:
+                    await self.bus.trim_before("metrics", metrics_id, METRICS_KEEP_S)
+                    trimmed_at = time.monotonic()
                 # evaluate a version only once its weights event says it is in the store
                 every = self.config.eval.every_steps
                 for version in published:
@@ -76,11 +86,15 @@ class Controller:
                             await self._evaluate(version)
                         except WeightStoreError as exc:  # retention may already have removed it
                             log.warning("skipping the held-out eval of v%d: %s", version, exc)
+                        await self._report_memory(version)
                     self.version = view.version = max(self.version, version)
-                self.admission.num_dropped = self.book.num_dropped
+                # the trainer's ledger, not the metrics stream, counts drops: it outlives any retention
+                self.admission.num_dropped = view.num_dropped = (await self.ledger.totals()).num_dropped
                 view.update()
         accuracy_after = await self._evaluate(self.version)
-        summary = self._summary(accuracy_before, accuracy_after, time.time() - started)
+        memory = await self._report_memory(self.version)
+        summary = self._summary(accuracy_before, accuracy_after, time.time() - started, await self.ledger.totals(),
+                                memory)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         return summary
@@ -110,7 +124,7 @@ class Controller:
         # the counter lives in Redis so a restarted controller never reuses a group_id
         last = await self.bus.redis.incrby(self.bus.key("num_admitted"), len(events))
         for index, event in enumerate(events, start=last - len(events) + 1):
-            event.group_id = f"g{index:07d}"
+            event.group_id = group_id(index)
             self.task_of_group[event.group_id] = event.task
         for pool in {e.pool for e in events}:
             batch = [e for e in events if e.pool == pool]
@@ -142,6 +156,15 @@ class Controller:
         log.info("held-out accuracy at v%d: %s", version, accuracy)
         return accuracy
 
+    async def _report_memory(self, version: int) -> dict:
+        """Redis's used memory and this job's keys by size, with the evals: a line of redis_memory.jsonl."""
+        memory = await self.bus.memory()
+        with (self.run_dir / "redis_memory.jsonl").open("a") as f:
+            f.write(json.dumps({"version": version, **memory}) + "\n")
+        log.info("redis at v%d: used_memory %d bytes, the job's keys %d", version, memory["used_memory_bytes"],
+                 memory["job_keys_bytes"])
+        return memory
+
     def _first_eval(self) -> dict[str, float] | None:
         """The base model's accuracy, if an earlier life of this controller measured it."""
         path = self.run_dir / "eval.jsonl"
@@ -161,7 +184,8 @@ class Controller:
                 lags[stream] = 0
         return lags
 
-    def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float, ledger: LedgerTotals,
+                 memory: dict) -> dict:
         mismatch, coverage = self.book.mismatch()
         return {
             "job_id": self.config.job_id,
@@ -175,12 +199,12 @@ class Controller:
             "mismatch_mean_abs_logprob": mismatch,
             "mismatch_coverage": coverage,
             "groups_admitted": self.admission.num_admitted,
-            "groups_dropped": self.book.num_dropped,
+            "groups_dropped": ledger.num_dropped,
             "groups_trained_by_task": {
                 k.split("/", 1)[1]: int(v) for k, v in self.book.totals.items() if k.startswith("groups/")},
-            "dropped_by_status": {
-                k.split("/", 1)[1]: v for k, v in self.book.totals.items() if k.startswith("dropped/")},
+            "dropped_by_status": ledger.dropped_by_status(),
             "precision": self.config.precision.mode,
             "staleness": self.config.staleness.model_dump(),
+            "redis_memory": memory,
             "wall_time_s": wall_s,
         }

@@ -40,9 +40,6 @@ class MetricsBook:
         if event.service != "trainer":
             self.latest[f"{event.service}/{event.name}"] = event.value
             return None
-        if event.name.startswith("dropped/"):
-            self.totals[event.name] += event.value
-            return None
         if event.name != "step_done":
             self.steps[event.step][event.name] = event.value
             return None
@@ -77,10 +74,6 @@ class MetricsBook:
     def rollout_tokens_per_s(self) -> float:
         return sum(v for k, v in self.latest.items() if k.endswith("/tokens_per_s"))
 
-    @property
-    def num_dropped(self) -> int:
-        return int(sum(v for k, v in self.totals.items() if k.startswith("dropped/")))
-
     def mismatch(self) -> tuple[float, float]:
         """Mean |logp_trainer - mu| over same-version tokens, and that coverage fraction."""
         tokens = self.totals["mismatch_tokens"]
@@ -98,6 +91,7 @@ class ProgressView:
         self.live = Live(console=self.console, refresh_per_second=2) if self.is_live else None
         self.stream_lags: dict[str, int] = {}
         self.version = 0
+        self.num_dropped = 0
 
     def __enter__(self) -> ProgressView:
         if self.live:
@@ -140,7 +134,7 @@ class ProgressView:
         table.add_row("mismatch k3 / seq |sum dlogp|",
                       f"{row.get('mismatch/k3', nan):.2e} / {row.get('mismatch/seq_delta_abs_mean', nan):.2e}")
         table.add_row("mismatch TIS clip frac", f"{row.get('mismatch/tis_clip_frac', nan):.3f}")
-        table.add_row("dropped groups", str(self.book.num_dropped))
+        table.add_row("dropped groups", str(self.num_dropped))
         for stream, lag in self.stream_lags.items():
             table.add_row(f"lag {stream}", str(lag))
         return table

@@ -14,6 +14,7 @@ import numpy as np
 from services.reward.backend import RewardBackend, RewardCall
 from shared.bus import Delivery, RedisBus
 from shared.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent, encode
+from shared.ledger import Ledger
 from shared.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ RAW_STREAM = "traj:raw"
 SCORED_STREAM = "traj:scored"
 METRICS_STREAM = "metrics"
 GROUP = "reward"
-SEEN_KEY = "seen:reward"  # hash traj_id -> entry_id of the first entry that carried it
+SEEN_KEY = "seen:reward"  # hash traj_id -> entry_id of the first entry that carried it, until the group is recorded
 FINAL_STATUSES: tuple[RewardStatus, ...] = ("ok", "timeout", "error", "throttled", "env_fail")
 # entries held beyond the backends' concurrency, waiting for a slot: reading them in batches of at least half this
 # spares the two round trips (XAUTOCLAIM, XREADGROUP) that reading one entry per finished call costs
@@ -38,6 +39,10 @@ class RewardRouter:
 
     Retries (ARCHITECTURE.md, "Who retries"): a throttled call up to `max_throttle_retries` times with
     exponential backoff; a timeout or error `max_retries` times where the backend allows it (never on Lambda).
+
+    Every `forget_every_s` the router forgets the traj_ids of groups the trainer's ledger holds, so its dedupe hash
+    stays as small as the work in flight: a later copy of such a trajectory is scored again and the trainer acks it
+    untrained.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class RewardRouter:
         throttle_backoff_s: float = 0.2,
         block_ms: int = 1000,
         metrics_every_s: float = 5.0,
+        forget_every_s: float = 5.0,
     ) -> None:
         self.bus = bus
         self.backends = dict(backends)
@@ -66,12 +72,15 @@ class RewardRouter:
         self.throttle_backoff_s = throttle_backoff_s
         self.block_ms = block_ms
         self.metrics_every_s = metrics_every_s
+        self.forget_every_s = forget_every_s
+        self.ledger = Ledger(bus)
         self.max_in_flight = sum(backend.concurrency for backend in self.backends.values()) + READ_AHEAD
         self.counts = {"scored": 0, "ok": 0, "timeout_attempts": 0, "error_attempts": 0, "throttled_attempts": 0,
                        "duplicates": 0, **{f"final_{status}": 0 for status in FINAL_STATUSES}}
         self._in_flight_ids: set[str] = set()
         self._metrics_at = time.monotonic()
         self._metrics_scored = 0
+        self._forgot_at = time.monotonic()
 
     async def run(self) -> None:
         """Score trajectories until cancelled; an exception (e.g. Redis gone) propagates, leaving entries unacked."""
@@ -101,6 +110,9 @@ class RewardRouter:
                     await self.bus.keep_claimed(RAW_STREAM, GROUP, self.consumer, sorted(self._in_flight_ids))
                     kept_at = time.monotonic()
                 await self._maybe_emit_metrics()
+                if time.monotonic() - self._forgot_at >= self.forget_every_s:
+                    await self._forget_recorded()
+                    self._forgot_at = time.monotonic()
         finally:
             for task in in_flight:
                 task.cancel()
@@ -113,7 +125,7 @@ class RewardRouter:
             if not isinstance(event, TrajectoryEvent):
                 reason = f"expected a traj event on {RAW_STREAM}, got {type(event).__name__}"
                 await self.bus.dead_letter(RAW_STREAM, delivery.entry_id, encode(event), reason)
-            elif await self._claim(event.traj_id, delivery.entry_id):
+            elif await self.bus.claim_first(SEEN_KEY, event.traj_id, delivery.entry_id):
                 scored = await self.score(event)
                 await self.bus.publish(SCORED_STREAM, scored)
             else:
@@ -122,13 +134,12 @@ class RewardRouter:
         finally:
             self._in_flight_ids.discard(delivery.entry_id)
 
-    async def _claim(self, traj_id: str, entry_id: str) -> bool:
-        """True for the first entry carrying traj_id (and for redeliveries of that same entry)."""
-        key = self.bus.key(SEEN_KEY)
-        if await self.bus.redis.hsetnx(key, traj_id, entry_id):
-            return True
-        owner = await self.bus.redis.hget(key, traj_id)
-        return owner is not None and owner.decode() == entry_id
+    async def _forget_recorded(self) -> None:
+        """Release the dedupe claims of the trajectories whose groups are in the ledger."""
+        traj_ids = await self.bus.claimed(SEEN_KEY)
+        group_of = {traj_id: traj_id.rpartition(":")[0] for traj_id in traj_ids}  # traj_id = {group_id}:{sample}
+        recorded = await self.ledger.recorded(set(group_of.values()))
+        await self.bus.release(SEEN_KEY, [traj_id for traj_id, group in group_of.items() if group in recorded])
 
     async def score(self, traj: TrajectoryEvent) -> ScoredEvent:
         """Score one trajectory with the router's retry rules; what is still not ok after them is final."""

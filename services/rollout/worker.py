@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.controller.admission import IN_FLIGHT
 from services.rollout.engine import Engine, Request
 from services.rollout.timing_engine import TimingEngine
 from services.rollout.turns import TurnRunner
@@ -25,6 +24,7 @@ from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.env import is_multi_turn
 from shared.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
+from shared.ledger import IN_FLIGHT
 from shared.model import load_pretrained
 from shared.store import WeightStore, WeightStoreError
 from shared.tasks import Problem, get_task

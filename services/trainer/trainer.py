@@ -7,12 +7,13 @@ import json
 import logging
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.controller.admission import IN_FLIGHT, task_quotas
+from services.controller.admission import task_quotas
 from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
 from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
 from services.trainer.mismatch import mismatch_stats
@@ -20,6 +21,7 @@ from services.trainer.staleness import staleness_stats
 from shared.bus import RedisBus
 from shared.config import JobConfig
 from shared.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent
+from shared.ledger import IN_FLIGHT, Ledger, Outcome
 from shared.model import CausalLM, load_pretrained, load_state, save_pretrained
 from shared.precision import published_dtype
 from shared.schedule import cosine_lr
@@ -28,6 +30,7 @@ from shared.store import Manifest, WeightStore
 log = logging.getLogger("jetroll.trainer")
 
 STREAM, GROUP = "traj:scored", "trainer"
+WEIGHTS_KEPT = 256  # weights announcements kept: readers need the newest; a controller this far behind skips evals
 
 
 def gradient_rows(rewards: torch.Tensor, has_kl: bool) -> torch.Tensor:
@@ -52,30 +55,6 @@ def proximal_logprobs(
     whatever the batch composition and padding."""
     with torch.no_grad():
         return token_logprobs(model(input_ids), targets, temperature, is_exact=model.precision.backend == "exact")
-
-
-class Ledger:
-    """Redis hash group_id -> outcome. A group is recorded once; entries are acked only after recording."""
-
-    def __init__(self, bus: RedisBus) -> None:
-        self.bus = bus
-        self.key = bus.key("ledger")
-
-    async def recorded(self, group_ids: set[str]) -> set[str]:
-        """Which of `group_ids` are in the ledger (one round trip)."""
-        ids = sorted(group_ids)
-        return {g for g, outcome in zip(ids, await self.bus.redis.hmget(self.key, ids), strict=True) if outcome}
-
-    async def record(self, outcomes: dict[str, dict]) -> None:
-        async with self.bus.redis.pipeline(transaction=True) as pipe:
-            for group_id, outcome in outcomes.items():
-                pipe.hsetnx(self.key, group_id, json.dumps(outcome))
-            pipe.zrem(self.bus.key(IN_FLIGHT), *outcomes)
-            await pipe.execute()
-
-    async def dump(self) -> dict[str, dict]:
-        raw = await self.bus.redis.hgetall(self.key)
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
 class Trainer:
@@ -132,8 +111,8 @@ class Trainer:
             stats = await asyncio.to_thread(self._step, groups)
             self.version += 1
             # ledger first: a group is trained exactly once even if we die before the publish below
-            await self.ledger.record({g.group_id: {"step": self.version, "status": "trained",
-                                                   "traj_ids": sorted(g.samples)} for g in groups})
+            await self.ledger.record({g.group_id: Outcome(self.version, "trained", len(g.samples)) for g in groups},
+                                     keep_groups=self.config.redis.ledger_keep_groups)
             await self.bus.ack(STREAM, GROUP, *(i for g in groups for i in g.entry_ids))
             self.training = {}
             now = time.perf_counter()
@@ -215,11 +194,9 @@ class Trainer:
         failed = self.buffer.take_failed()
         if not failed:
             return
-        await self.ledger.record({g.group_id: {"step": self.version, "status": f"dropped:{g.failed_status}",
-                                               "traj_ids": sorted(g.samples)} for g in failed})
+        await self.ledger.record({g.group_id: Outcome(self.version, f"dropped:{g.failed_status}", len(g.samples))
+                                  for g in failed}, keep_groups=self.config.redis.ledger_keep_groups)
         await self.bus.ack(STREAM, GROUP, *(i for g in failed for i in g.entry_ids))
-        for group in failed:
-            await self._metric(f"dropped/{group.failed_status}", 1.0)
 
     def _step(self, groups: list[PendingGroup]) -> dict[str, float]:
         """One optimizer step (or, with trainer.engine timing, a sleep standing in for it) and its staleness stats."""
@@ -343,7 +320,8 @@ class Trainer:
         await self.bus.publish("weights", WeightsPublishedEvent(
             job_id=self.config.job_id, version=manifest.version, step=manifest.step,
             manifest_uri=self.store.uri(manifest.version), shard_sha256={s.key: s.sha256 for s in manifest.shards},
-            size_bytes=sum(s.size_bytes for s in manifest.shards), precision_id=manifest.precision_id))
+            size_bytes=sum(s.size_bytes for s in manifest.shards), precision_id=manifest.precision_id),
+            maxlen=WEIGHTS_KEPT)
 
     async def _resume_or_publish_base(self) -> None:
         """Fresh: publish v0 and checkpoint it. Resumed: restore the last checkpoint and move on from the
@@ -358,8 +336,7 @@ class Trainer:
             return
         step, directory = checkpoint
         self._load_checkpoint(directory)
-        ledger_step = max((o["step"] for o in (await self.ledger.dump()).values()), default=0)
-        self.version = max(step, latest or 0, ledger_step)
+        self.version = max(step, latest or 0, (await self.ledger.totals()).max_step)
         log.info("resumed from checkpoint step %d at version %d", step, self.version)
         if latest is not None and latest >= self.version:
             await self._announce(await self.store.manifest(latest))  # the last life may have died before this
@@ -377,7 +354,8 @@ class Trainer:
                         tensors[f"{name}::{key}"] = state[key].detach().reshape(-1).clone()
             tensors["rng::torch"] = torch.get_rng_state()
             save_file(tensors, str(Path(staging) / "optimizer.safetensors"))
-            ledger = await self.ledger.dump()
+            ledger = {"outcomes": {g: asdict(o) for g, o in (await self.ledger.outcomes()).items()},
+                      "totals": asdict(await self.ledger.totals())}
             meta = {"step": self.version, "version": self.version, "ledger": ledger}
             (Path(staging) / "trainer_state.json").write_text(json.dumps(meta))
             await self.store.save_checkpoint(self.version, Path(staging))
@@ -401,8 +379,3 @@ class Trainer:
         events.append(MetricsEvent(job_id=self.config.job_id, service="trainer", name="step_done", value=1.0,
                                    step=self.version))
         await self.bus.publish_many("metrics", events)
-
-    async def _metric(self, name: str, value: float) -> None:
-        await self.bus.publish("metrics", MetricsEvent(job_id=self.config.job_id, service="trainer", name=name,
-                                                       value=value, step=self.version))
-

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from test_job import hold_streams
 from test_staleness import TINY, build_model
 
 from services.bench.async_ import launch_job, read_ledger
@@ -50,6 +51,7 @@ def run(model_dir: Path, root: Path, redis_url: str, slow_factor: float, fail_fr
         "eval": {"num_problems": 1},
     }
     root.mkdir(parents=True)
+    hold_streams(redis_url, job_id, "groups:fast", "groups:slow", "traj:raw")
     launch_job(tree, root, redis_url)
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     first, window = rows[WARMUP - 1], rows[WARMUP:]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import pytest
 
-from shared.bus import RedisBus
-from shared.events import MetricsEvent, decode
+from shared.bus import FIELD, RedisBus
+from shared.events import MetricsEvent, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +23,7 @@ def metric(job_id: str, step: int) -> MetricsEvent:
     return MetricsEvent(job_id=job_id, service="test", name="x", value=float(step), step=step, time=0.0)
 
 
-def run_with_bus(url: str, body: Callable[[RedisBus], Awaitable[None]], **kwargs: int) -> None:
+def run_with_bus(url: str, body: Callable[[RedisBus], Awaitable[None]], **kwargs: Any) -> None:
     async def main() -> None:
         bus = RedisBus(url, f"test-{uuid.uuid4().hex[:8]}", **kwargs)
         try:
@@ -177,7 +178,7 @@ def test_lag_counts_unread_plus_pending(any_redis_url: str) -> None:
         with pytest.raises(ValueError, match="no consumer group"):
             await bus.lag(STREAM, "missing")
 
-    run_with_bus(any_redis_url, body)
+    run_with_bus(any_redis_url, body, trim_every_s=None)  # a group created late must find the acked entries
 
 
 def test_wait_for_capacity_blocks_until_acks(any_redis_url: str) -> None:
@@ -225,6 +226,89 @@ def test_trim_acked_keeps_everything_some_group_has_not_acked(any_redis_url: str
         # A stream nobody consumes through a group is never trimmed.
         await bus.publish("weights", metric(bus.job_id, 0))
         assert await bus.trim_acked("weights") == 0
+
+    run_with_bus(any_redis_url, body, trim_every_s=None)
+
+
+def test_acks_trim_past_the_slowest_group_and_keep_its_unacked_entries(any_redis_url: str) -> None:
+    """Consumers trim as they ack (here on every ack): up to the oldest entry some group has not acked, so a slow
+    group keeps what it has not read and what it has read but not acked (still there to reclaim)."""
+    async def body(bus: RedisBus) -> None:
+        key = bus.key(STREAM)
+        await bus.ensure_group(STREAM, "slow")
+        ids = await bus.publish_many(STREAM, [metric(bus.job_id, i) for i in range(8)])
+        fast = await bus.consume(STREAM, GROUP, "a", count=8, block_ms=50)
+        await bus.ack(STREAM, GROUP, *(d.entry_id for d in fast))
+        assert await bus.redis.xlen(key) == 8  # the slow group has read nothing yet
+
+        slow = await bus.consume(STREAM, "slow", "b", count=5, block_ms=50)
+        await bus.ack(STREAM, "slow", ids[0], ids[1], ids[3])  # ids[2] and ids[4] pending, ids[5:] unread
+        assert [_s(i) for i, _ in await bus.redis.xrange(key)] == ids[2:]
+        assert [d.entry_id for d in slow] == ids[:5]
+
+        # the dead consumer's pending entries are reclaimed whole, then the rest is read
+        reclaimed = await bus.consume(STREAM, "slow", "c", count=8, block_ms=50)
+        assert [(d.entry_id, d.event.step) for d in reclaimed] == [(ids[2], 2), (ids[4], 4)]
+        await bus.ack(STREAM, "slow", ids[2])
+        assert [_s(i) for i, _ in await bus.redis.xrange(key)] == ids[4:]
+        await bus.ack(STREAM, "slow", ids[4])
+        assert [_s(i) for i, _ in await bus.redis.xrange(key)] == ids[5:]
+        rest = await bus.consume(STREAM, "slow", "c", count=8, block_ms=50)
+        assert [d.entry_id for d in rest] == ids[5:]
+        await bus.ack(STREAM, "slow", *ids[5:])
+        assert await bus.redis.xlen(key) == 0
+        assert await bus.lag(STREAM, GROUP) == 0 and await bus.lag(STREAM, "slow") == 0
+
+    run_with_bus(any_redis_url, body, trim_every_s=0.0, claim_idle_ms=0)
+
+
+def test_a_consumer_trims_a_stream_at_most_every_trim_every_s(any_redis_url: str) -> None:
+    async def body(bus: RedisBus) -> None:
+        ids = await bus.publish_many(STREAM, [metric(bus.job_id, i) for i in range(4)])
+        await bus.consume(STREAM, GROUP, "a", count=4, block_ms=50)
+        await bus.ack(STREAM, GROUP, ids[0])  # the first ack trims
+        await bus.ack(STREAM, GROUP, *ids[1:])  # within the hour: no trim
+        assert [_s(i) for i, _ in await bus.redis.xrange(bus.key(STREAM))] == ids[1:]
+
+    run_with_bus(any_redis_url, body, trim_every_s=3600.0)
+
+
+def test_tailed_streams_keep_the_newest_entries(any_redis_url: str) -> None:
+    """`weights` keeps its newest N announcements as it is written; `metrics` is trimmed by its reader, behind what
+    it has read, keeping a time window."""
+    async def body(bus: RedisBus) -> None:
+        ids = [await bus.publish("weights", metric(bus.job_id, i), maxlen=3) for i in range(5)]
+        assert [_s(i) for i, _ in await bus.redis.xrange(bus.key("weights"))] == ids[2:]
+        _, events = await bus.tail("weights")
+        assert [e.step for e in events] == [2, 3, 4]
+
+        key = bus.key("metrics")
+        for ms in (1000, 5000, 7999, 8000, 9500, 12000):
+            await bus.redis.xadd(key, {FIELD: encode(metric(bus.job_id, ms))}, id=f"{ms}-0")
+        assert await bus.trim_before("metrics", "10000-3", keep_s=2.0) == 3
+        _, events = await bus.tail("metrics")
+        assert [e.step for e in events] == [8000, 9500, 12000]  # within 2 s of the reader, or after it
+        assert await bus.trim_before("metrics", "0-0", keep_s=2.0) == 0  # a reader that has read nothing
+
+    run_with_bus(any_redis_url, body)
+
+
+def test_memory_reports_the_jobs_keys_by_size(any_redis_url: str) -> None:
+    async def body(bus: RedisBus) -> None:
+        other = RedisBus(any_redis_url, bus.job_id + "*")  # a glob character in a job_id is matched literally
+        try:
+            await other.publish("metrics", metric(other.job_id, 0))
+            await bus.publish_many("traj:scored", [metric(bus.job_id, i) for i in range(50)])
+            await bus.publish("metrics", metric(bus.job_id, 0))
+            for traj_id in ("g1:0", "g1:1"):
+                await bus.redis.set(bus.key(f"reward:lambda:{traj_id}"), "{}")
+            memory = await bus.memory()
+        finally:
+            await other.redis.delete(other.key("metrics"))
+            await other.close()
+        assert set(memory["keys"]) == {STREAM, "traj:scored", "metrics", "reward:lambda:*"}  # STREAM: the group's
+        assert memory["keys"]["traj:scored"] > memory["keys"]["metrics"] > 0
+        assert memory["job_keys_bytes"] == sum(memory["keys"].values()) < memory["used_memory_bytes"]
 
     run_with_bus(any_redis_url, body)
 

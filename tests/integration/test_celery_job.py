@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
 import redis
-from test_job import audit_ledger, check_summary, launch, model_path, service_logs, stop  # noqa: F401 - fixture
+from test_job import (  # noqa: F401 - fixture
+    audit_ledger,
+    check_summary,
+    hold_streams,
+    launch,
+    model_path,
+    service_logs,
+    stop,
+)
 
 from shared.events import ScoredEvent, decode
 
@@ -27,7 +36,10 @@ def celery_worker_pids(job_id: str) -> list[int]:
 
 
 def test_smoke_job_with_celery_rewards(tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
-    job = launch(tmp_path, redis_url, model_path, "reward.backend=celery", "reward.celery_concurrency=2")
+    job_id = f"t{uuid.uuid4().hex[:8]}"
+    hold_streams(redis_url, job_id, "traj:scored")
+    job = launch(tmp_path, redis_url, model_path, "reward.backend=celery", "reward.celery_concurrency=2",
+                 job_id=job_id)
     try:
         assert job.wait() == 0, f"{job.stderr()}\n{service_logs(job.run_dir)}"
         check_summary(job, max_steps=4)

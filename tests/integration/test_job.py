@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +21,19 @@ import pytest
 import redis
 
 from services.init_model import ensure_base_model
-from shared.config import load_config
+from shared.bus import RedisBus
+from shared.config import RedisConfig, load_config
 from shared.events import MetricsEvent, encode
+from shared.ledger import Ledger, LedgerTotals, Outcome, group_id
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "configs" / "smoke.yaml"
 JOB_TIMEOUT_S = 180.0
+# replicas: the Ray launcher's; reward:celery:*: the Celery backend's idempotency records, which expire
+JOB_KEYS = {"groups:default", "traj:raw", "traj:scored", "metrics", "weights", "dlq", "ledger", "ledger:totals",
+            "seen:reward", "in_flight", "num_admitted", "replicas", "reward:celery:*"}
 
 
 @pytest.fixture(scope="session")
@@ -156,39 +163,50 @@ def kill_service(job: Job, kind: str, not_pid: int | None = None) -> int:
     return pids[0]
 
 
-def audit_ledger(redis_url: str, job_id: str, max_steps: int, groups_per_step: int, group_size: int) -> dict:
-    """Every admitted group in the ledger once, trained or dropped with a reason; no traj_id twice; none lost."""
+def hold_streams(redis_url: str, job_id: str, *streams: str) -> None:
+    """Give each of the job's `streams` an `audit` consumer group that never reads, before the job starts: its
+    consumers trim only past what every group has acked, so the stream keeps every entry for the test to read."""
     client = redis.Redis.from_url(redis_url)
     try:
-        num_admitted = int(client.get(f"jetroll:{job_id}:num_admitted") or 0)
-        ledger = {k.decode(): json.loads(v) for k, v in client.hgetall(f"jetroll:{job_id}:ledger").items()}
+        for stream in streams:
+            client.xgroup_create(f"jetroll:{job_id}:{stream}", "audit", id="0", mkstream=True)
     finally:
         client.close()
-    admitted = {f"g{i:07d}" for i in range(1, num_admitted + 1)}
-    assert set(ledger) <= admitted, f"ledger holds groups never admitted: {sorted(set(ledger) - admitted)}"
-    trained = {g: o for g, o in ledger.items() if o["status"] == "trained"}
-    dropped = {g: o for g, o in ledger.items() if o["status"] != "trained"}
-    for group_id, outcome in dropped.items():
-        status = outcome["status"]
-        assert status.startswith("dropped:") and len(status) > len("dropped:"), (group_id, outcome)
-    seen: dict[str, str] = {}
-    for group_id, outcome in ledger.items():
-        traj_ids = outcome["traj_ids"]
-        assert len(traj_ids) == len(set(traj_ids)), f"{group_id} lists a traj_id twice: {traj_ids}"
-        for traj_id in traj_ids:
-            assert traj_id.rsplit(":", 1)[0] == group_id, (group_id, traj_id)
-            assert traj_id not in seen, f"{traj_id} in both {seen[traj_id]} and {group_id}"
-            seen[traj_id] = group_id
-    for group_id, outcome in trained.items():
-        assert len(outcome["traj_ids"]) == group_size, (group_id, outcome)
-        assert 1 <= outcome["step"] <= max_steps, (group_id, outcome)
-    assert len(trained) == max_steps * groups_per_step
-    steps = [o["step"] for o in trained.values()]
-    assert all(steps.count(s) == groups_per_step for s in range(1, max_steps + 1)), sorted(steps)
-    # admission stops at max_steps * B live groups, so every admitted group reached the trainer's ledger
-    missing = sorted(admitted - set(ledger))
-    assert not missing, f"admitted but never trained or dropped (lost): {missing}"
-    return ledger
+
+
+def audit_ledger(redis_url: str, job_id: str, max_steps: int, groups_per_step: int, group_size: int,
+                 keep_groups: int = RedisConfig().ledger_keep_groups) -> LedgerTotals:
+    """Every admitted group recorded exactly once, trained (with all its samples) or dropped with a reason; none lost.
+    The ledger keeps the newest outcomes and counts every group in its totals."""
+    async def read() -> tuple[int, dict[str, Outcome], LedgerTotals]:
+        bus = RedisBus(redis_url, job_id)
+        try:
+            ledger = Ledger(bus)
+            num_admitted = int(await bus.redis.get(bus.key("num_admitted")) or 0)
+            return num_admitted, await ledger.outcomes(), await ledger.totals()
+        finally:
+            await bus.close()
+
+    num_admitted, outcomes, totals = asyncio.run(read())
+    # the prefix passes only recorded groups, so every admitted group reached the trainer's ledger
+    assert totals.prefix == num_admitted + 1, f"admitted {num_admitted}, but group {totals.prefix} is not recorded"
+    # and each was counted once: a second record of a group (a retrained copy) would count twice
+    assert sum(totals.num_groups.values()) == num_admitted, (totals, num_admitted)
+    assert totals.num_groups.get("trained") == max_steps * groups_per_step, totals
+    assert totals.num_samples["trained"] == max_steps * groups_per_step * group_size, totals
+    assert totals.max_step == max_steps, totals
+    for status in totals.num_groups:
+        assert status == "trained" or status.startswith("dropped:") and len(status) > len("dropped:"), totals
+    # the newest keep_groups outcomes are kept (none above the prefix once the job is over), older ones folded
+    kept = {group_id(i) for i in range(max(1, totals.prefix - keep_groups), totals.prefix)}
+    assert set(outcomes) == kept, sorted(set(outcomes) ^ kept)
+    steps = Counter(o.step for o in outcomes.values() if o.status == "trained")
+    for group, outcome in outcomes.items():
+        assert outcome.status in totals.num_groups, (group, outcome)
+        if outcome.status == "trained":
+            assert outcome.num_samples == group_size and 1 <= outcome.step <= max_steps, (group, outcome)
+    assert all(n <= groups_per_step for n in steps.values()), steps
+    return totals
 
 
 def check_summary(job: Job, max_steps: int) -> dict:
@@ -201,6 +219,10 @@ def check_summary(job: Job, max_steps: int) -> dict:
     rows = job.metrics()
     assert [int(r["step"]) for r in rows] == list(range(1, max_steps + 1))
     assert (job.run_dir / "curves.png").stat().st_size > 0
+    # every key of the job is one that retention bounds
+    memory = summary["redis_memory"]
+    assert set(memory["keys"]) <= JOB_KEYS, sorted(set(memory["keys"]) - JOB_KEYS)
+    assert 0 < memory["job_keys_bytes"] < memory["used_memory_bytes"]
     weights = job.run_dir / "store" / job.job_id / "weights"
     latest = int((weights / "LATEST").read_text().strip())
     assert latest == max_steps
@@ -269,24 +291,26 @@ def test_smoke_sync_has_zero_lag_and_a_warmed_up_cosine_lr(start_job: Callable[.
 
 
 @pytest.mark.slow
-def test_nothing_lost_when_rollout_and_reward_are_killed(start_job: Callable[..., Job], redis_url: str) -> None:
-    """The acceptance test: SIGKILL rollout and reward twice mid-run; the job finishes and the ledger is whole."""
+def test_nothing_lost_when_services_are_killed(start_job: Callable[..., Job], redis_url: str) -> None:
+    """The acceptance test: SIGKILL rollout, reward and the controller twice mid-run; the job finishes, every step's
+    row is written once and the ledger is whole."""
     max_steps = 10
-    job = start_job(f"trainer.max_steps={max_steps}")
-    killed: dict[str, int | None] = {"rollout": None, "reward": None}
+    job = start_job(f"trainer.max_steps={max_steps}", "redis.ledger_keep_groups=3")
+    killed: dict[str, int | None] = {"rollout": None, "reward": None, "controller": None}
     for num_rounds, at_step in enumerate((2, 6), start=1):
         wait_for(lambda n=at_step: len(job.metrics()) >= n, job, f"{at_step} steps")
         for kind in killed:
             killed[kind] = kill_service(job, kind, not_pid=killed[kind])
-        wait_for(lambda n=num_rounds: job.stderr().count("died (exit -9)") >= 2 * n, job, "the restarts")
+        wait_for(lambda n=num_rounds: job.stderr().count("died (exit -9)") >= len(killed) * n, job, "the restarts")
     assert job.wait() == 0, f"{job.stderr()}\n{service_logs(job.run_dir)}"
     stderr = job.stderr()
-    for name in ("rollout-default-0", "reward"):
+    for name in ("rollout-default-0", "reward", "controller"):
         assert f"service {name} died (exit -9); restart 1/3" in stderr, stderr
         assert f"service {name} died (exit -9); restart 2/3" in stderr, stderr
     check_summary(job, max_steps)
-    ledger = audit_ledger(redis_url, job.job_id, max_steps, groups_per_step=4, group_size=4)
-    assert all(o["status"] == "trained" for o in ledger.values()), ledger  # rewards never fail here
+    # a ledger keeping 3 outcomes: the audit covers the groups folded into its totals
+    totals = audit_ledger(redis_url, job.job_id, max_steps, groups_per_step=4, group_size=4, keep_groups=3)
+    assert totals.num_dropped == 0, totals  # rewards never fail here
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

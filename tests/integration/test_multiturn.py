@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_job import hold_streams
 
 from services.init_model import ensure_base_model, init_weights, model_args
 from services.rollout.engine import Engine, Request
@@ -183,6 +184,7 @@ def test_calculator_job_end_to_end(smoke_model: str, redis_url: str, tmp_path: P
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", str(SMOKE), "--redis-url", redis_url, "--run-dir",
            str(run_dir), "--set", f"model.path={smoke_model}", "--set", f"job_id={job}"]
+    hold_streams(redis_url, job, "traj:raw")
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

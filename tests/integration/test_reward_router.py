@@ -14,9 +14,10 @@ import pytest
 
 from services.reward.backend import LocalBackend
 from services.reward.pool import RewardPool
-from services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, RewardRouter
+from services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, SEEN_KEY, RewardRouter
 from shared.bus import RedisBus
 from shared.events import Array, ScoredEvent, TrajectoryEvent
+from shared.ledger import Ledger, Outcome, group_id
 from shared.tasks import TASKS, Problem, register_task
 
 UNIT_DIR = str(Path(__file__).parents[1] / "unit")
@@ -73,16 +74,19 @@ class SlowTask:
 
 
 async def route(
-    redis_url: str, events: list[TrajectoryEvent], num_expected: int, timeout_s: float, job_id: str = ""
+    redis_url: str, events: list[TrajectoryEvent], num_expected: int, timeout_s: float, job_id: str = "",
+    recorded: tuple[str, ...] = (),
 ) -> tuple:
-    """Publish `events`, run a router until `num_expected` scored events exist (plus a grace period)."""
+    """Publish `events`, run a router until `num_expected` scored events exist (plus a grace period); the groups
+    `recorded` are in the trainer's ledger from the start."""
     job_id = job_id or events[0].job_id
     bus = RedisBus(redis_url, job_id)
     pool = RewardPool(num_workers=2, timeout_s=timeout_s, modules=("reward_test_fns",))
     router = RewardRouter(bus, {"local": LocalBackend(pool)}, detokenize, consumer="r0", max_retries=1, block_ms=100,
-                          metrics_every_s=0.0)
+                          metrics_every_s=0.0, forget_every_s=0.0)
     try:
         await bus.ensure_group(RAW_STREAM, GROUP)
+        await Ledger(bus).record({g: Outcome(1, "trained", 2) for g in recorded}, keep_groups=0)
         for event in events:
             await bus.publish(RAW_STREAM, event)
         runner = asyncio.create_task(router.run())
@@ -97,7 +101,8 @@ async def route(
         _, scored = await bus.tail(SCORED_STREAM, block_ms=0)
         pending = (await bus.redis.xpending(bus.key(RAW_STREAM), GROUP))["pending"]
         _, metrics = await bus.tail("metrics", block_ms=0)
-        return scored, pending, router.counts, metrics
+        seen = sorted(m.decode() for m in await bus.redis.hkeys(bus.key(SEEN_KEY)))
+        return scored, pending, router.counts, metrics, seen
     finally:
         pool.close()
         await bus.close()
@@ -113,7 +118,7 @@ def test_scores_dedupes_and_acks(redis_url: str) -> None:
         traj(job, "g9:0", "no_such_task", "1", "1"),
         traj(job, "g0:0", "arithmetic", "000", "579"),  # a re-emitted duplicate: dropped
     ]
-    scored, pending, counts, metrics = asyncio.run(route(redis_url, events, 5, timeout_s=5.0))
+    scored, pending, counts, metrics, _ = asyncio.run(route(redis_url, events, 5, timeout_s=5.0))
     assert pending == 0
     by_id = {e.trajectory.traj_id: e for e in scored}
     assert len(scored) == 5 and len(by_id) == 5
@@ -135,7 +140,7 @@ def test_timeout_is_retried_once_then_final(redis_url: str) -> None:
     try:
         job = uuid.uuid4().hex[:8]
         events = [traj(job, "s0:0", "test_slow", "30", ""), traj(job, "s0:1", "arithmetic", "2", "2")]
-        scored, pending, counts, _ = asyncio.run(route(redis_url, events, 2, timeout_s=0.5))
+        scored, pending, counts, _, _ = asyncio.run(route(redis_url, events, 2, timeout_s=0.5))
     finally:
         del TASKS["test_slow"]
     by_id = {e.trajectory.traj_id: e for e in scored}
@@ -155,10 +160,23 @@ def test_redelivery_of_claimed_entry_is_still_scored(redis_url: str) -> None:
         bus = RedisBus(redis_url, job)
         await bus.ensure_group(RAW_STREAM, GROUP)
         entry_id = await bus.publish(RAW_STREAM, event)
-        await bus.redis.hset(bus.key("seen:reward"), "c0:0", entry_id)
+        await bus.redis.hset(bus.key(SEEN_KEY), "c0:0", entry_id)
         await bus.close()
 
     asyncio.run(crashed_claimant())
-    scored, pending, counts, _ = asyncio.run(route(redis_url, [], 1, timeout_s=5.0, job_id=job))
+    scored, pending, counts, _, _ = asyncio.run(route(redis_url, [], 1, timeout_s=5.0, job_id=job))
     assert [(e.trajectory.traj_id, e.status, e.reward) for e in scored] == [("c0:0", "ok", 1.0)]
     assert pending == 0 and counts["duplicates"] == 0
+
+
+def test_dedupe_marks_of_recorded_groups_are_forgotten(redis_url: str) -> None:
+    """The router forgets the traj_ids of groups in the trainer's ledger (g1, folded there: known by its admission
+    index alone), and keeps deduping the others."""
+    job = uuid.uuid4().hex[:8]
+    g1, g2 = group_id(1), group_id(2)
+    events = [traj(job, f"{g}:{i}", "arithmetic", "2", "2") for g in (g1, g2) for i in range(2)]
+    events.append(traj(job, f"{g2}:0", "arithmetic", "3", "2"))  # a re-emitted duplicate: dropped
+    scored, pending, counts, _, seen = asyncio.run(route(redis_url, events, 4, timeout_s=5.0, recorded=(g1,)))
+    assert sorted(e.trajectory.traj_id for e in scored) == [f"{g}:{i}" for g in (g1, g2) for i in range(2)]
+    assert pending == 0 and counts["duplicates"] == 1
+    assert seen == [f"{g2}:0", f"{g2}:1"]

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 import torch
+from test_job import hold_streams
 
-from services.controller.admission import IN_FLIGHT
 from services.init_model import init_weights, model_args
 from services.launcher import Launcher
 from services.rollout.engine import Engine
@@ -26,6 +26,7 @@ from services.trainer.trainer import Trainer
 from shared.bus import RedisBus
 from shared.config import JobConfig, ModelConfig, validate_config
 from shared.events import Array, GroupEvent, ScoredEvent, TrajectoryEvent, WeightsPublishedEvent, decode
+from shared.ledger import IN_FLIGHT
 from shared.model import CausalLM, load_pretrained, save_pretrained
 from shared.store import setup_store
 from shared.tokenizer import build_char_tokenizer
@@ -180,6 +181,7 @@ def test_bound_holds_end_to_end(model_dir: Path, redis_url: str, tmp_path: Path)
                  "timing": {"mean_tokens": 64, "cv": 3.0, "token_time_s": 0.002, "seed": 3}},
         trainer={"engine": "timing", "timing_step_s": 0.05, "max_steps": 24, "groups_per_step": 4, "group_size": 4},
         staleness={"max_staleness": 1}, reward={"num_workers": 2})
+    hold_streams(redis_url, config.job_id, "traj:scored")
     launcher = Launcher(config, tmp_path, redis_url, is_console=False)
     try:
         assert launcher.supervise() == 0
@@ -199,9 +201,9 @@ def test_bound_holds_end_to_end(model_dir: Path, redis_url: str, tmp_path: Path)
     rows = {int(r["step"]): r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
     assert sorted(rows) == list(range(1, 25))
     max_versions = 0
-    for outcome in ledger.values():
+    for group, outcome in ledger.items():
         consumed_at = outcome["step"] - 1  # a step trains at the version before it
-        for traj_id in outcome["traj_ids"]:
+        for traj_id in (f"{group}:{sample}" for sample in range(outcome["num_samples"])):
             v_tok = trajectories[traj_id].v_tok.numpy()
             max_versions = max(max_versions, len(set(v_tok.tolist())))
             beyond = int((consumed_at - v_tok > eta_hard).sum())

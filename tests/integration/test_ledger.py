@@ -1,0 +1,136 @@
+"""The compact ledger on a real Redis: old outcomes fold into totals and are still known recorded, so a re-delivered
+copy of a trained group is acked untrained; a restarted controller counts drops from it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from test_staleness import job_config, model_dir, scored, stop, until  # noqa: F401 - fixture
+
+from services.controller.controller import Controller
+from services.trainer.trainer import Trainer
+from shared.bus import RedisBus
+from shared.events import WeightsPublishedEvent
+from shared.ledger import IN_FLIGHT, Ledger, Outcome, admission_index, group_id
+from shared.store import setup_store
+
+pytestmark = pytest.mark.integration
+
+
+def test_group_ids_carry_their_admission_index() -> None:
+    assert group_id(12) == "g0000012" and admission_index("g0000012") == 12
+    assert admission_index("g12") is None and admission_index("c0") is None  # never folded: known by the hash alone
+
+
+def test_old_outcomes_fold_into_totals_and_stay_recorded(any_redis_url: str) -> None:
+    async def main() -> None:
+        bus = RedisBus(any_redis_url, f"l{uuid.uuid4().hex[:8]}")
+        try:
+            ledger = Ledger(bus)
+            g1, g2, g3, g4, g5 = (group_id(i) for i in range(1, 6))
+            await bus.redis.zadd(bus.key(IN_FLIGHT), {g: 0 for g in (g1, g2, g3, g4, g5)})
+            await ledger.record({g3: Outcome(1, "trained", 4), g5: Outcome(1, "dropped:timeout", 3)}, keep_groups=2)
+            assert set(await ledger.outcomes()) == {g3, g5}  # above a prefix that has not moved
+            assert (await ledger.totals()).prefix == 1
+            await ledger.record({g1: Outcome(2, "trained", 4), g2: Outcome(2, "trained", 4)}, keep_groups=2)
+            # the prefix passed g1..g3; g1 is more than 2 behind it, so only the totals hold it
+            assert await ledger.outcomes() == {g2: Outcome(2, "trained", 4), g3: Outcome(1, "trained", 4),
+                                               g5: Outcome(1, "dropped:timeout", 3)}
+            assert await ledger.recorded({g1, g2, g3, g4, g5, "g1"}) == {g1, g2, g3, g5}
+            # a second record of a recorded group, folded or kept, changes nothing
+            await ledger.record({g1: Outcome(3, "dropped:error", 1), g3: Outcome(3, "trained", 4)}, keep_groups=2)
+            await ledger.record({g4: Outcome(3, "trained", 4), "c0": Outcome(3, "trained", 4)}, keep_groups=2)
+            totals = await ledger.totals()
+            assert totals.num_groups == {"trained": 5, "dropped:timeout": 1}
+            assert totals.num_samples == {"trained": 20, "dropped:timeout": 3}
+            assert totals.prefix == 6 and totals.max_step == 3
+            assert totals.num_dropped == 1 and totals.dropped_by_status() == {"timeout": 1}
+            assert set(await ledger.outcomes()) == {g4, g5, "c0"}  # an id of another form is never folded
+            assert await ledger.recorded({g1, g2, g3, g4, g5, group_id(6), "c0"}) == {g1, g2, g3, g4, g5, "c0"}
+            assert await bus.redis.zcard(bus.key(IN_FLIGHT)) == 0
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_trainer_acks_a_redelivered_copy_of_a_folded_group(model_dir: Path, redis_url: str,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    """g1 trains at step 1 and is folded (the ledger keeps 1 outcome) by step 2. A second copy of it (a reclaim
+    re-emitted its samples) arrives with g3: the oldest v_adm goes first, so a retrained g1 would take step 3."""
+    config = job_config(model_dir, tmp_path, trainer={"engine": "timing", "timing_step_s": 0.02, "max_steps": 3,
+                                                      "groups_per_step": 1, "group_size": 2},
+                        redis={"ledger_keep_groups": 1})
+    job = config.job_id
+    g1, g2, g3 = (group_id(i) for i in range(1, 4))
+
+    async def scenario() -> tuple[dict[str, Outcome], dict[str, int], int, int]:
+        bus = RedisBus(redis_url, job)
+        trainer = Trainer(config, bus, setup_store(config.store, job, tmp_path), "trainer")
+        task = asyncio.create_task(trainer.run())
+        try:
+            await bus.publish_many("traj:scored", [scored(job, g, i, 0, [0, 0]) for g in (g1, g2) for i in range(2)])
+
+            async def is_at_v2() -> bool:
+                return trainer.version >= 2
+
+            await until(is_at_v2, task, "step 2")
+            assert await trainer.ledger.outcomes() == {g2: Outcome(2, "trained", 2)}
+            await bus.publish_many("traj:scored", [scored(job, g, i, v, [v, v]) for g, v in ((g1, 0), (g3, 1))
+                                                   for i in range(2)])
+            await asyncio.wait_for(task, timeout=60)
+            totals = await trainer.ledger.totals()
+            return await trainer.ledger.outcomes(), totals.num_groups, totals.prefix, await bus.lag("traj:scored",
+                                                                                                    "trainer")
+        finally:
+            await stop(task)
+            await bus.close()
+
+    outcomes, num_groups, prefix, lag = asyncio.run(scenario())
+    assert outcomes == {g3: Outcome(3, "trained", 2)}
+    assert num_groups == {"trained": 3} and prefix == 4
+    assert lag == 0  # the copy was acked
+
+
+def test_a_restarted_controller_counts_drops_from_the_ledger(model_dir: Path, redis_url: str,  # noqa: F811
+                                                             tmp_path: Path) -> None:
+    """An earlier life admitted 12 groups; the trainer trained 4 at step 1 and dropped 3; no metrics are left (the
+    stream's retention). B = 4, eta = 2: at v1 the new life may have (1 + 2 + 1) * 4 = 16 live groups, so it admits
+    16 - (12 - 3) = 7 (4 if it did not know of the drops)."""
+    config = job_config(model_dir, tmp_path, trainer={"max_steps": 10, "groups_per_step": 4, "group_size": 2},
+                        staleness={"max_staleness": 2})
+    job = config.job_id
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"version": 0, "arithmetic": 0.5}) + "\n")  # the base's eval
+
+    async def scenario() -> int:
+        bus = RedisBus(redis_url, job)
+        store = setup_store(config.store, job, tmp_path)
+        for version in (0, 1):
+            manifest = await store.publish(version, version, model_dir, precision_id=config.precision.precision_id,
+                                           dtype="float32", parent=version - 1 if version else None)
+        await bus.publish("weights", WeightsPublishedEvent(
+            job_id=job, version=1, step=1, manifest_uri=store.uri(1),
+            shard_sha256={s.key: s.sha256 for s in manifest.shards}, size_bytes=0, precision_id=manifest.precision_id))
+        await bus.redis.set(bus.key("num_admitted"), 12)
+        earlier = {group_id(i): Outcome(1, "trained" if i <= 4 else "dropped:timeout", 2) for i in range(1, 8)}
+        await Ledger(bus).record(earlier, keep_groups=0)
+        task = asyncio.create_task(Controller(config, bus, store, tmp_path).run())
+        try:
+            async def num_admitted() -> int:
+                return int(await bus.redis.get(bus.key("num_admitted")))
+
+            async def is_full() -> bool:
+                return await num_admitted() >= 16
+
+            await until(is_full, task, "the admissions")
+            await asyncio.sleep(0.5)  # a few more rounds of the controller's loop
+            return await num_admitted()
+        finally:
+            await stop(task)
+            await bus.close()
+
+    assert asyncio.run(scenario()) == 12 + 7
