@@ -251,8 +251,8 @@ class TrainerConfig(Strict):
     lr_decay_frac: float = Field(1.0, gt=0, le=1, description="cosine: the decay spans this last fraction of "
                                  "max_steps; before it the lr holds at `lr` (stable, then decay)")
     warmup_steps: int = Field(0, ge=0, description="linear lr warm-up over the first steps, in either schedule: "
-                              "Adam's first updates move every weight by about lr whatever its gradient's size; a cosine decay starts "
-                              "after it at the latest")
+                              "Adam's first updates move every weight by about lr whatever its gradient's size; a "
+                              "cosine decay starts after it at the latest")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="global grad-norm clip")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip, low side")
