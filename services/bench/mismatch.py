@@ -30,7 +30,7 @@ from shared.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 MODES = ("bf16", "fp8_unified", "fp8_rollout_only")
 METRICS = ("abs_mean", "abs_max", "k3", "exp_abs_mean", "seq_delta_abs_mean", "tis_clip_frac")
-TIS_CAP = 2.0
+TIS_CAP = PrecisionConfig().correction_cap  # the loss's default C: tis_clip_frac counts what it would cap
 
 
 def _tiny_model(vocab_size: int, seed: int) -> CausalLM:

@@ -279,7 +279,8 @@ class Trainer:
                                               batch.temperature[trained])
             loss, loss_stats = ppo_loss(
                 logp, prox_logp[trained, :width], batch.behavior_logp[trained, :width], advantages[trained],
-                loss_mask[trained, :width], cfg, denominator=denominator, ref_logp=ref_logp)
+                loss_mask[trained, :width], cfg, denominator=denominator, ref_logp=ref_logp,
+                correction=self.config.precision)
             loss.backward()
             stats |= loss_stats
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
@@ -310,7 +311,7 @@ class Trainer:
         mask = batch.loss_mask > 0
         same_version = mask & (batch.v_tok == self.version)
         delta = (prox_logp - batch.behavior_logp).abs()[same_version]
-        return mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.trainer.behavior_cap) | {
+        return mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap) | {
             "mismatch_abs_sum": float(delta.sum()),
             "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
             "mismatch_tokens": float(same_version.sum()),
