@@ -85,7 +85,8 @@ class PoolConfig(Strict):
     pool whose `profile` matches the task's, else to the first pool."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="pool name; its work stream is groups:<name>")
-    labels: dict[str, str] = Field(default_factory=dict, description="free-form hardware labels, e.g. gpu: h200")
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form hardware labels, e.g. gpu: h200, "
+                                   "for people: the controller's routing log shows them; nothing schedules on them")
     tasks: list[str] = Field(default_factory=list, description="tasks routed here explicitly")
     profile: Literal["prefill_heavy", "decode_heavy"] | None = Field(
         None, description="route tasks of this profile here: decode_heavy (completion budget over twice the mean "
@@ -115,7 +116,9 @@ class RolloutConfig(Strict):
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig(name="default")], min_length=1,
                                     description="rollout pools; each has its own work stream and workers")
     max_batch: int = Field(128, ge=1, description="decode slots per worker (a pool may override it)")
-    max_new_tokens: int = Field(1024, ge=1, description="generation cap per sample; tasks ask for less")
+    max_new_tokens: int = Field(1024, ge=1, description="cap on each training sample's generation budget: the "
+                                "controller asks rollout for min(the task's max_new_tokens, this); the held-out eval "
+                                "keeps the task's own budget")
     max_seq_len: int = Field(1024, ge=16, description="KV-cache length per slot (prompt + completion)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (mu is log-softmax(logits / T))")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; mu stays the untruncated log-prob")
@@ -136,6 +139,10 @@ class RolloutConfig(Strict):
         if len(set(listed)) != len(listed):
             raise ValueError(f"rollout.pools: a task is routed explicitly to two pools: {listed}")
         return self
+
+    def sample_budget(self, task_max_new_tokens: int) -> int:
+        """Tokens a training sample of a task asking for `task_max_new_tokens` may generate."""
+        return min(task_max_new_tokens, self.max_new_tokens)
 
     def pool(self, name: str) -> PoolConfig:
         for pool in self.pools:
@@ -227,7 +234,10 @@ class TrainerConfig(Strict):
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip, low side")
     clip_eps_high: float = Field(0.28, gt=0, description="PPO ratio clip, high side")
     dual_clip_c: float = Field(3.0, gt=1, description="dual clip bound for negative advantages")
-    advantage: Literal["grpo", "dr_grpo"] = Field("grpo", description="group normalisation scheme")
+    advantage: Literal["grpo", "dr_grpo"] = Field(
+        "grpo", description="grpo: (r - mean) / std per group, the loss over the batch's policy tokens; dr_grpo: "
+        "r - mean, the loss over batch x max_new_tokens (each sample's generation budget: its task's max_new_tokens, "
+        "capped by rollout.max_new_tokens)")
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference (base) policy; 0 disables")
     task_quotas: bool = Field(True, description="each task gets its weight share of every step's groups and of the "
                               "admission window; a share a task leaves unused goes to the others' oldest groups")

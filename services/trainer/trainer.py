@@ -24,6 +24,7 @@ from shared.model import CausalLM, load_pretrained, load_state, save_pretrained
 from shared.precision import published_dtype
 from shared.schedule import cosine_lr
 from shared.store import Manifest, WeightStore
+from shared.tasks import get_task
 
 log = logging.getLogger("jetroll.trainer")
 
@@ -257,9 +258,11 @@ class Trainer:
             with torch.no_grad():
                 prox_logp[idle, :width] = token_logprobs(self._group_logits(self.model, batch, idle, width),
                                                          batch.targets[idle, :width], batch.temperature[idle])
-        # the PPO loss divides by the whole batch's policy tokens (or Dr.GRPO's constant), skipped rows included
+        # the PPO loss divides by the whole batch's policy tokens, skipped rows included; Dr.GRPO by its constant, batch
+        # x max_new_tokens (each sample's generation budget): a padded width would scale the step by the longest sample
         if cfg.advantage == "dr_grpo":
-            denominator = float(len(advantages) * batch.loss_mask.shape[1])
+            denominator = float(sum(self.config.rollout.sample_budget(get_task(task).max_new_tokens)
+                                    for task in batch.tasks))
         else:
             denominator = float(loss_mask.sum().clamp(min=1.0))
         stats: dict[str, float] = {"grad_rows_frac": float(rows.float().mean()), "lr": self._lr()}

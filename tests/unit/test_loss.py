@@ -280,7 +280,7 @@ def test_leaving_out_zero_advantage_rows_keeps_the_gradient(advantage: str) -> N
     mask[0, 3:9] = 1.0  # the longest row has zero advantage, so the trimmed pass is narrower
     jitter = torch.randn(6, 9) * 0.05  # mu a little off pi_prox, so the behaviour weight is not 1
     cfg = _cfg(advantage=advantage)
-    denominator = float(6 * 9) if advantage == "dr_grpo" else float(mask.sum())
+    denominator = float(6 * 8) if advantage == "dr_grpo" else float(mask.sum())  # Dr.GRPO: batch x max_new_tokens
 
     def grads(rows: torch.Tensor, width: int) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)

@@ -22,6 +22,7 @@ from shared.config import ModelConfig, validate_config
 from shared.events import Array, ScoredEvent, TrajectoryEvent
 from shared.model import CausalLM, save_pretrained
 from shared.store import setup_store
+from shared.tasks import get_task
 from shared.tokenizer import build_char_tokenizer
 
 TINY = ModelConfig(num_layers=1, intermediate_size=256)
@@ -81,15 +82,15 @@ def groups_of(events: list[ScoredEvent]) -> list[PendingGroup]:
     return groups
 
 
-def events_with_ratios(trainer: Trainer) -> list[ScoredEvent]:
-    """Events whose mu = the trainer's own log-prob of each token minus log(RATIOS): pi_prox / mu = RATIOS."""
+def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...], ...] = RATIOS) -> list[ScoredEvent]:
+    """Events whose mu = the trainer's own log-prob of each token minus log(ratio): pi_prox / mu = the ratios."""
     job = trainer.config.job_id
-    completions = [[trainer.tokenizer.encode(str(d))[0] for d in range(len(r))] for r in RATIOS]
+    completions = [[trainer.tokenizer.encode(str(d))[0] for d in range(len(r))] for r in ratios_of_rows]
     placeholder = [trajectory(job, i, c, [0.0] * len(c)) for i, c in enumerate(completions)]
     batch = collate(groups_of(placeholder), trainer.tokenizer.pad_id)
     logp = proximal_logprobs(trainer.model, batch.input_ids, batch.targets, batch.temperature)
     events = []
-    for row, (completion, ratios) in enumerate(zip(completions, RATIOS, strict=True)):
+    for row, (completion, ratios) in enumerate(zip(completions, ratios_of_rows, strict=True)):
         own = logp[row][batch.loss_mask[row] > 0]
         events.append(trajectory(job, row, completion, (own - torch.tensor(ratios).log()).tolist()))
     return events
@@ -127,3 +128,26 @@ def test_every_correction_changes_the_trainers_update(
     for a, b in itertools.combinations(CORRECTIONS, 2):
         gap = float((updated[a] - updated[b]).norm() / updated[a].norm())
         assert gap > 0.05, f"{a} and {b} give updates only {gap:.3f} apart"
+
+
+@pytest.mark.parametrize("cap", [None, 4])
+def test_dr_grpo_divides_by_batch_times_max_new_tokens(
+    cap: int | None, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """On policy (pi_theta = pi_prox = mu) every token's loss is -A, so the step's loss is -sum(A x length) / D: D is
+    batch x max_new_tokens (arithmetic asks for 8; rollout.max_new_tokens caps it), not batch x padded width."""
+    sections: dict[str, Any] = {"trainer": {"group_size": 4, "advantage": "dr_grpo"}}
+    if cap is not None:
+        sections["rollout"] = {"max_new_tokens": cap}
+    trainer = make_trainer(model_dir, tmp_path, redis_url, **sections)
+    on_policy = tuple(tuple(1.0 for _ in row) for row in RATIOS)
+    groups = groups_of(events_with_ratios(trainer, on_policy))
+    stats = trainer._step(groups)
+    advantages = [r - sum(rewards) / len(rewards) for rewards in REWARDS for r in rewards]
+    summed = sum(a * len(row) for a, row in zip(advantages, RATIOS, strict=True))
+    own = get_task("arithmetic").max_new_tokens
+    budget = own if cap is None else min(own, cap)
+    assert summed != 0 and budget == trainer.config.rollout.sample_budget(own)
+    width = collate(groups, trainer.tokenizer.pad_id).loss_mask.shape[1]
+    assert width != budget  # the padded width would give another loss
+    assert stats["loss"] == pytest.approx(-summed / (len(RATIOS) * budget), rel=1e-4)
