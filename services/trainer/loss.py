@@ -139,6 +139,14 @@ def ppo_loss(
     return loss, stats
 
 
+def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """logits / T in fp32; `temperature` is a float or a per-sequence tensor [B]."""
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1, 1, 1)
+    return logits / temperature
+
+
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor, is_exact: bool = False
 ) -> torch.Tensor:
@@ -147,9 +155,12 @@ def token_logprobs(
     `temperature` is a float or a per-sequence tensor [B] (the temperature recorded on each trajectory).
     `is_exact` takes the exact backend's batch-invariant log_softmax, the one the rollout engine records with.
     """
-    logits = logits.float()
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1, 1, 1)
-    scaled = logits / temperature
+    scaled = _scaled(logits, temperature)
     logprobs = exact.log_softmax(scaled) if is_exact else torch.log_softmax(scaled, dim=-1)
     return logprobs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax(logits / T) at each position, in fp32, without grad: [B, T, V] -> [B, T]."""
+    with torch.no_grad():
+        return torch.special.entr(torch.softmax(_scaled(logits, temperature), dim=-1)).sum(-1)  # -p log p, 0 at p = 0

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from services.controller.admission import IN_FLIGHT, task_quotas
 from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
-from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
+from services.trainer.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
 from services.trainer.mismatch import mismatch_stats
 from services.trainer.staleness import staleness_stats
 from shared.bus import RedisBus
@@ -46,13 +46,15 @@ def policy_width(loss_mask: torch.Tensor) -> int:
     return int(columns.max()) + 1 if len(columns) else loss_mask.shape[1]
 
 
-def proximal_logprobs(
+def proximal_pass(
     model: CausalLM, input_ids: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
-) -> torch.Tensor:
-    """The trainer's no-grad log-prob pass [B, T]; on the exact backend bitwise what rollout recorded at this version,
-    whatever the batch composition and padding."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's no-grad pass: log-probs and token entropies [B, T]. On the exact backend the log-probs are bitwise
+    what rollout recorded at this version, whatever the batch composition and padding."""
     with torch.no_grad():
-        return token_logprobs(model(input_ids), targets, temperature, is_exact=model.precision.backend == "exact")
+        logits = model(input_ids)
+        is_exact = model.precision.backend == "exact"
+        return token_logprobs(logits, targets, temperature, is_exact=is_exact), token_entropy(logits, temperature)
 
 
 class Ledger:
@@ -246,9 +248,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         is_exact = self.config.precision.backend == "exact"
         if is_exact:  # pi_prox from the exact backend; the gradient pass below stays on `fast`
-            prox_logp = proximal_logprobs(self.model, batch.input_ids, batch.targets, batch.temperature)
-        else:
-            prox_logp = torch.zeros_like(batch.behavior_logp)
+            prox_logp, entropy = proximal_pass(self.model, batch.input_ids, batch.targets, batch.temperature)
+        else:  # filled from the passes below: every row gets one
+            prox_logp, entropy = torch.zeros_like(batch.behavior_logp), torch.zeros_like(batch.behavior_logp)
         # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
         # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
         rows = gradient_rows(batch.rewards, has_kl=self.reference is not None)
@@ -256,8 +258,9 @@ class Trainer:
         if not is_exact and len(idle):
             width = policy_width(batch.loss_mask[idle])
             with torch.no_grad():
-                prox_logp[idle, :width] = token_logprobs(self._group_logits(self.model, batch, idle, width),
-                                                         batch.targets[idle, :width], batch.temperature[idle])
+                logits = self._group_logits(self.model, batch, idle, width)
+                prox_logp[idle, :width] = token_logprobs(logits, batch.targets[idle, :width], batch.temperature[idle])
+                entropy[idle, :width] = token_entropy(logits, batch.temperature[idle])
         # the PPO loss divides by the whole batch's policy tokens, skipped rows included; Dr.GRPO by its constant, batch
         # x max_new_tokens (each sample's generation budget): a padded width would scale the step by the longest sample
         if cfg.advantage == "dr_grpo":
@@ -270,11 +273,12 @@ class Trainer:
             trained = rows.nonzero().squeeze(-1)
             width = policy_width(batch.loss_mask[trained])
             targets = batch.targets[trained, :width]
-            logp = token_logprobs(self._group_logits(self.model, batch, trained, width), targets,
-                                  batch.temperature[trained])
+            logits = self._group_logits(self.model, batch, trained, width)
+            logp = token_logprobs(logits, targets, batch.temperature[trained])
             if not is_exact:
                 # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
                 prox_logp[trained, :width] = logp.detach()
+                entropy[trained, :width] = token_entropy(logits, batch.temperature[trained])
             ref_logp = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -290,6 +294,8 @@ class Trainer:
             for param_group in self.optimizer.param_groups:
                 param_group["lr"] = stats["lr"]
             self.optimizer.step()
+        # of pi_prox, the policy at the start of the step, over every policy token (zero-advantage groups included)
+        stats["entropy"] = float(entropy[batch.loss_mask > 0].mean()) if batch.loss_mask.any() else float("nan")
         stats.update(self._staleness_stats(batch, prox_logp))
         stats.update(self._task_stats(batch))
         return stats

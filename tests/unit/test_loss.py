@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
+from services.trainer.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
 from services.trainer.trainer import gradient_rows, policy_width
 from shared.config import PrecisionConfig, TrainerConfig
 from shared.model import CausalLM, ModelArgs
@@ -242,6 +242,20 @@ def test_token_logprobs_with_temperature() -> None:
     torch.testing.assert_close(out, _manual_logprobs(logits, targets, [0.7, 0.7]))
     per_seq = token_logprobs(logits, targets, torch.tensor([0.5, 1.3]))
     torch.testing.assert_close(per_seq, _manual_logprobs(logits, targets, [0.5, 1.3]))
+
+
+def test_token_entropy_of_known_distributions() -> None:
+    """Nats: p = (1/2, 1/4, 1/4) has 1.5 ln 2; at T = 2 the logits halve; uniform has ln V; p = (1, 0) has 0."""
+    logits = torch.tensor([[[math.log(4.0), math.log(2.0), math.log(2.0)]] * 2])  # [1, 2, 3]
+    torch.testing.assert_close(token_entropy(logits, 1.0), torch.full((1, 2), 1.5 * math.log(2.0)))
+    p = torch.tensor([2.0, math.sqrt(2.0), math.sqrt(2.0)])
+    p = p / p.sum()  # softmax(logits / 2)
+    per_row = token_entropy(logits.expand(2, 2, 3), torch.tensor([1.0, 2.0]))  # a temperature per sequence
+    torch.testing.assert_close(per_row[:, 0], torch.tensor([1.5 * math.log(2.0), float(-(p * p.log()).sum())]))
+    assert token_entropy(torch.zeros(1, 1, 7), 0.7).item() == pytest.approx(math.log(7.0))
+    certain = token_entropy(torch.tensor([[[0.0, -math.inf], [50.0, 0.0]]]), 1.0)
+    assert certain[0, 0].item() == 0.0 and 0 <= certain[0, 1].item() < 1e-18
+    assert not token_entropy(_leaf([[1.0, 2.0]]).unsqueeze(0), 1.0).requires_grad
 
 
 def test_token_logprobs_fp32_from_bf16_logits() -> None:

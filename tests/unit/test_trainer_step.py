@@ -16,7 +16,7 @@ import torch
 
 from services.init_model import init_weights, model_args
 from services.trainer.batch import GroupBuffer, PendingGroup, collate
-from services.trainer.trainer import Trainer, proximal_logprobs
+from services.trainer.trainer import Trainer, proximal_pass
 from shared.bus import RedisBus
 from shared.config import ModelConfig, validate_config
 from shared.events import Array, ScoredEvent, TrajectoryEvent
@@ -58,7 +58,8 @@ def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, **sections: dic
     return Trainer(config, bus, setup_store(config.store, config.job_id, run_dir), "trainer")
 
 
-def trajectory(job_id: str, row: int, completion: list[int], behavior_logp: list[float]) -> ScoredEvent:
+def trajectory(job_id: str, row: int, completion: list[int], behavior_logp: list[float],
+               rewards: tuple[tuple[float, ...], ...] = REWARDS) -> ScoredEvent:
     group, sample = divmod(row, 4)
     tokenizer = build_char_tokenizer()
     n = len(completion)
@@ -68,7 +69,7 @@ def trajectory(job_id: str, row: int, completion: list[int], behavior_logp: list
         completion_ids=Array.of(completion, "<i4"), loss_mask=Array.of([1] * n, "<u1"),
         behavior_logprobs=Array.of(behavior_logp, "<f4"), v_tok=Array.of([0] * n, "<i4"), v_adm=0, group_size=4,
         temperature=1.0, top_p=1.0, precision_id="p", finish_reason="stop")
-    return ScoredEvent(job_id=job_id, trajectory=traj, reward=REWARDS[group][sample], status="ok", attempts=1,
+    return ScoredEvent(job_id=job_id, trajectory=traj, reward=rewards[group][sample], status="ok", attempts=1,
                        backend="local", latency_s=0.0)
 
 
@@ -82,17 +83,18 @@ def groups_of(events: list[ScoredEvent]) -> list[PendingGroup]:
     return groups
 
 
-def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...], ...] = RATIOS) -> list[ScoredEvent]:
+def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...], ...] = RATIOS,
+                       rewards: tuple[tuple[float, ...], ...] = REWARDS) -> list[ScoredEvent]:
     """Events whose mu = the trainer's own log-prob of each token minus log(ratio): pi_prox / mu = the ratios."""
     job = trainer.config.job_id
     completions = [[trainer.tokenizer.encode(str(d))[0] for d in range(len(r))] for r in ratios_of_rows]
     placeholder = [trajectory(job, i, c, [0.0] * len(c)) for i, c in enumerate(completions)]
     batch = collate(groups_of(placeholder), trainer.tokenizer.pad_id)
-    logp = proximal_logprobs(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+    logp, _ = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
     events = []
     for row, (completion, ratios) in enumerate(zip(completions, ratios_of_rows, strict=True)):
         own = logp[row][batch.loss_mask[row] > 0]
-        events.append(trajectory(job, row, completion, (own - torch.tensor(ratios).log()).tolist()))
+        events.append(trajectory(job, row, completion, (own - torch.tensor(ratios).log()).tolist(), rewards))
     return events
 
 
@@ -151,3 +153,21 @@ def test_dr_grpo_divides_by_batch_times_max_new_tokens(
     width = collate(groups, trainer.tokenizer.pad_id).loss_mask.shape[1]
     assert width != budget  # the padded width would give another loss
     assert stats["loss"] == pytest.approx(-summed / (len(RATIOS) * budget), rel=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["fast", "exact"])
+def test_step_reports_the_token_entropy_of_pi_prox(
+    backend: str, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """`entropy` is the mean over every policy token of H(softmax(logits / T)) at the step's start: the rows of the
+    gradient pass and those of a zero-advantage group (the no-grad pass) alike, or the exact pi_prox pass's."""
+    trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"backend": backend})
+    rewards = (REWARDS[0], (1.0, 1.0, 1.0, 1.0))  # the second group has no signal
+    groups = groups_of(events_with_ratios(trainer, RATIOS, rewards))
+    batch = collate(groups, trainer.tokenizer.pad_id)
+    _, entropy = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+    stats = trainer._step(groups)
+    assert stats["grad_rows_frac"] == 0.5
+    expected = float(entropy[batch.loss_mask > 0].mean())
+    assert 0 < expected <= math.log(trainer.model.args.vocab_size)
+    assert stats["entropy"] == pytest.approx(expected, rel=1e-5)
