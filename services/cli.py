@@ -123,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     mismatch.add_argument("--samples", type=int, default=8, help="sampled completions, scored by every mode")
     mismatch.add_argument("--threads", type=int, default=1)
     mismatch.add_argument("--model", help="an HF-format model dir instead of the random tiny model")
-    precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only per seed: "
-                                     "held-out scores and reward curves (resumable)")
+    precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only uncorrected, "
+                                     "and of fp8_rollout_only with token_tis and icepop, per seed: held-out scores and "
+                                     "reward curves (resumable)")
     precision.add_argument("--json", action="store_true", help="print one JSON object")
-    precision.add_argument("--seeds", type=int, default=3, help="seeds per mode")
+    precision.add_argument("--seeds", type=int, default=3, help="seeds per arm")
     precision.add_argument("--run-dir", type=Path, default=Path("runs/bench-precision"),
                            help="finished runs here are kept and not run again")
     precision.add_argument("--max-steps", type=int, help="override the pinned step count (smoke tests)")
