@@ -133,10 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     learning.add_argument("--max-steps", type=int, help="override trainer.max_steps (a short proxy or a smoke test)")
     learning.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override a field of configs/arithmetic.yaml in every cell")
-    precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only per seed: "
-                                     "held-out scores and reward curves (resumable)")
+    precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only uncorrected, "
+                                     "and of fp8_rollout_only with token_tis and icepop, per seed: held-out scores and "
+                                     "reward curves (resumable)")
     precision.add_argument("--json", action="store_true", help="print one JSON object")
-    precision.add_argument("--seeds", type=int, default=3, help="seeds per mode")
+    precision.add_argument("--seeds", type=int, default=3, help="seeds per arm")
     precision.add_argument("--run-dir", type=Path, default=Path("runs/bench-precision"),
                            help="finished runs here are kept and not run again")
     precision.add_argument("--max-steps", type=int, help="override the pinned step count (smoke tests)")

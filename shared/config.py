@@ -113,7 +113,8 @@ class PoolConfig(Strict):
     pool whose `profile` matches the task's, else to the first pool."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="pool name; its work stream is groups:<name>")
-    labels: dict[str, str] = Field(default_factory=dict, description="free-form hardware labels, e.g. gpu: h200")
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form hardware labels, e.g. gpu: h200, "
+                                   "for people: the controller's routing log shows them; nothing schedules on them")
     tasks: list[str] = Field(default_factory=list, description="tasks routed here explicitly")
     profile: Literal["prefill_heavy", "decode_heavy"] | None = Field(
         None, description="route tasks of this profile here: decode_heavy (completion budget over twice the mean "
@@ -143,7 +144,9 @@ class RolloutConfig(Strict):
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig(name="default")], min_length=1,
                                     description="rollout pools; each has its own work stream and workers")
     max_batch: int = Field(128, ge=1, description="decode slots per worker (a pool may override it)")
-    max_new_tokens: int = Field(1024, ge=1, description="generation cap per sample; tasks ask for less")
+    max_new_tokens: int = Field(1024, ge=1, description="cap on each training sample's generation budget: the "
+                                "controller asks rollout for min(the task's max_new_tokens, this); the held-out eval "
+                                "keeps the task's own budget")
     max_seq_len: int = Field(1024, ge=16, description="KV-cache length per slot (prompt + completion)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (mu is log-softmax(logits / T))")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; mu stays the untruncated log-prob")
@@ -164,6 +167,10 @@ class RolloutConfig(Strict):
         if len(set(listed)) != len(listed):
             raise ValueError(f"rollout.pools: a task is routed explicitly to two pools: {listed}")
         return self
+
+    def sample_budget(self, task_max_new_tokens: int) -> int:
+        """Tokens a training sample of a task asking for `task_max_new_tokens` may generate."""
+        return min(task_max_new_tokens, self.max_new_tokens)
 
     def pool(self, name: str) -> PoolConfig:
         for pool in self.pools:
@@ -258,9 +265,10 @@ class TrainerConfig(Strict):
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip, low side")
     clip_eps_high: float = Field(0.28, gt=0, description="PPO ratio clip, high side")
     dual_clip_c: float = Field(3.0, gt=1, description="dual clip bound for negative advantages")
-    behavior_cap: float = Field(2.0, gt=0, description="C: cap of the behaviour weight pi_prox/mu")
-    behavior_band: tuple[float, float] = Field((0.0, 10.0), description="mask tokens with pi_prox/mu outside")
-    advantage: Literal["grpo", "dr_grpo"] = Field("grpo", description="group normalisation scheme")
+    advantage: Literal["grpo", "dr_grpo"] = Field(
+        "grpo", description="grpo: (r - mean) / std per group, the loss over the batch's policy tokens; dr_grpo: "
+        "r - mean, the loss over batch x max_new_tokens (each sample's generation budget: its task's max_new_tokens, "
+        "capped by rollout.max_new_tokens)")
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference (base) policy; 0 disables")
     task_quotas: bool = Field(True, description="each task gets its weight share of every step's groups and of the "
                               "admission window; a share a task leaves unused goes to the others' oldest groups")
@@ -272,13 +280,6 @@ class TrainerConfig(Strict):
                                               "metrics and weight publication (benchmarks)")
     timing_step_s: float = Field(1.0, gt=0, description="trainer.engine timing: modelled time of a step plus its "
                                  "weight publication; the sleep is what the last real publication leaves of it")
-
-    @model_validator(mode="after")
-    def _band(self) -> TrainerConfig:
-        low, high = self.behavior_band
-        if not 0 <= low < high:
-            raise ValueError("trainer.behavior_band must be (low, high) with 0 <= low < high")
-        return self
 
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -312,11 +313,14 @@ class PrecisionConfig(Strict):
         default_factory=list, description=f"block linears kept in bf16 in the FP8 modes, from {list(BLOCK_LINEARS)}; "
         "q/k/v and gate/up go together")
     correction: Literal["decoupled", "none", "token_tis", "seq_mis", "icepop"] = Field(
-        "decoupled", description="the loss's correction for the rollout/trainer gap r = pi_prox / mu: decoupled "
-        "(w = min(r, trainer.behavior_cap), tokens outside trainer.behavior_band masked), none (w = 1), token_tis "
-        "(w = min(r, correction_cap)), seq_mis (w = the sequence's product of r; sequences above correction_cap "
-        "masked), icepop (w = r; tokens outside icepop_band masked)")
-    correction_cap: float = Field(2.0, gt=0, description="C of token_tis and seq_mis")
+        "decoupled", description="the loss's correction for the rollout/trainer gap r = pi_prox / mu (precision and "
+        "staleness): decoupled (w = min(r, correction_cap), tokens with r outside decoupled_band masked), none "
+        "(w = 1), token_tis (w = min(r, correction_cap)), seq_mis (w = the sequence's product of r; sequences above "
+        "correction_cap masked), icepop (w = r; tokens with r outside icepop_band masked)")
+    correction_cap: float = Field(2.0, gt=0, description="C: the cap of w in decoupled and token_tis, and the "
+                                  "bound on seq_mis's sequence weight")
+    decoupled_band: tuple[float, float] = Field((0.0, 10.0), description="decoupled keeps tokens with r in "
+                                                "[low, high]")
     icepop_band: tuple[float, float] = Field((0.5, 2.0), description="icepop keeps tokens with r in [low, high]")
 
     @model_validator(mode="after")
@@ -327,15 +331,16 @@ class PrecisionConfig(Strict):
         for group in FUSED_LINEARS:
             if len({name in self.high_precision for name in group}) > 1:
                 raise ValueError(f"precision.high_precision must list all of {list(group)} or none of them")
-        low, high = self.icepop_band
-        if not 0 <= low < high:
-            raise ValueError("precision.icepop_band must be (low, high) with 0 <= low < high")
+        for name in ("decoupled_band", "icepop_band"):
+            low, high = getattr(self, name)
+            if not 0 <= low < high:
+                raise ValueError(f"precision.{name} must be (low, high) with 0 <= low < high")
         return self
 
     @property
     def precision_id(self) -> str:
         """Hash of the numeric precision config (the loss's correction aside), stamped on every trajectory."""
-        numeric = self.model_dump_json(exclude={"correction", "correction_cap", "icepop_band"})
+        numeric = self.model_dump_json(exclude={"correction", "correction_cap", "decoupled_band", "icepop_band"})
         return hashlib.sha256(numeric.encode()).hexdigest()[:12]
 
     def linear_format(self, name: str) -> Literal["fp32", "bf16", "fp8"]:

@@ -36,7 +36,7 @@ class Task(Protocol):
 
     name: str
     reward: str  # name of its reward function in functions.registry
-    max_new_tokens: int  # generation budget the controller asks rollout for
+    max_new_tokens: int  # generation budget the controller asks rollout for (capped by rollout.max_new_tokens)
 
     def sample(self, rng: random.Random) -> Problem:
         """A training problem (never a held-out one)."""

@@ -4,7 +4,7 @@ The same weights, prompts and sampled tokens in every mode: one FP8 rollout engi
 of the longest length once. Then each mode scores those tokens with both of its sides, on the exact backend:
   rollout side: the engine's path from the published checkpoint bytes: prefill the prompt into a KV cache, decode
                 one token at a time for the whole batch, log_softmax of each step's logits (what rollout records as mu);
-  trainer side: the trainer's no-grad full-sequence pass (`proximal_logprobs`) on its fp32 master weights.
+  trainer side: the trainer's no-grad full-sequence pass (`proximal_pass`) on its fp32 master weights.
 delta = logp_trainer - logp_rollout; length L reports the first L completion tokens of every sample. A side whose
 numerics another mode shares (fp8_unified and fp8_rollout_only roll out alike) is computed once.
 """
@@ -22,7 +22,7 @@ import torch
 
 from services.rollout.engine import Engine, Request
 from services.trainer.mismatch import mismatch_stats
-from services.trainer.trainer import proximal_logprobs
+from services.trainer.trainer import proximal_pass
 from shared import exact
 from shared.config import PrecisionConfig
 from shared.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
@@ -30,7 +30,7 @@ from shared.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 MODES = ("bf16", "fp8_unified", "fp8_rollout_only")
 METRICS = ("abs_mean", "abs_max", "k3", "exp_abs_mean", "seq_delta_abs_mean", "tis_clip_frac")
-TIS_CAP = 2.0
+TIS_CAP = PrecisionConfig().correction_cap  # the loss's default C: tis_clip_frac counts what it would cap
 
 
 def _tiny_model(vocab_size: int, seed: int) -> CausalLM:
@@ -61,7 +61,7 @@ def decode_logprobs(model: CausalLM, prompts: torch.Tensor, completions: torch.T
 
 def trainer_logprobs(model: CausalLM, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
     ids = torch.cat([prompts, completions], dim=1)
-    logprobs = proximal_logprobs(model, ids[:, :-1], ids[:, 1:], torch.ones(len(ids)))
+    logprobs, _ = proximal_pass(model, ids[:, :-1], ids[:, 1:], torch.ones(len(ids)))
     return logprobs[:, prompts.shape[1] - 1 :]
 
 

@@ -50,7 +50,8 @@ class Controller:
         self.ledger = Ledger(bus)
         self.version = 0
         self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
-        log.info("task -> rollout pool: %s", self.pool_of_task)
+        log.info("task -> rollout pool: %s; pool labels: %s", self.pool_of_task,
+                 {pool.name: pool.labels for pool in config.rollout.pools})
 
     async def run(self) -> dict:
         started = time.time()
@@ -117,7 +118,7 @@ class Controller:
                 job_id=self.config.job_id, group_id="", task=task.name, pool=self.pool_of_task[task.name],
                 prompt=problem.prompt, prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
                 answer=problem.answer, group_size=self.config.trainer.group_size,
-                max_new_tokens=task.max_new_tokens, v_adm=self.version,
+                max_new_tokens=self.config.rollout.sample_budget(task.max_new_tokens), v_adm=self.version,
                 min_version=self.version if is_sync else 0))
         if not events:
             return

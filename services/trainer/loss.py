@@ -39,28 +39,26 @@ def k3(delta: torch.Tensor) -> torch.Tensor:
 
 
 def behavior_correction(
-    prox_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor, cfg: TrainerConfig,
-    correction: PrecisionConfig | None = None,
+    prox_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor, correction: PrecisionConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stop-gradient weight w and the 0/1 keep mask per token [B, T] for r = pi_prox / mu
-    (`precision.correction`; decoupled when None)."""
-    kind = correction.correction if correction is not None else "decoupled"
+    """The stop-gradient weight w and the 0/1 keep mask per token [B, T] for r = pi_prox / mu, by
+    `precision.correction` (its cap C and bands are `precision` fields too)."""
     log_ratio = prox_logp - behavior_logp
     ratio = torch.exp(log_ratio)
-    if kind == "decoupled":
-        low, high = cfg.behavior_band
-        return ratio.clamp(max=cfg.behavior_cap), ((ratio >= low) & (ratio <= high)).float()
-    assert correction is not None
-    if kind == "none":
+    cap = correction.correction_cap
+    if correction.correction == "decoupled":
+        low, high = correction.decoupled_band
+        return ratio.clamp(max=cap), ((ratio >= low) & (ratio <= high)).float()
+    if correction.correction == "none":
         return torch.ones_like(ratio), torch.ones_like(ratio)
-    if kind == "token_tis":
-        return ratio.clamp(max=correction.correction_cap), torch.ones_like(ratio)
-    if kind == "icepop":
+    if correction.correction == "token_tis":
+        return ratio.clamp(max=cap), torch.ones_like(ratio)
+    if correction.correction == "icepop":
         low, high = correction.icepop_band
         return ratio, ((ratio >= low) & (ratio <= high)).float()
-    assert kind == "seq_mis"
+    assert correction.correction == "seq_mis"
     seq_ratio = torch.exp(torch.where(mask > 0, log_ratio, 0.0).sum(-1, keepdim=True)).expand_as(ratio)
-    return seq_ratio, (seq_ratio <= correction.correction_cap).float()
+    return seq_ratio, (seq_ratio <= cap).float()
 
 
 def ppo_loss(
@@ -80,8 +78,9 @@ def ppo_loss(
     `advantages` is [B] (one per sequence, broadcast over tokens) or [B, T]. The summed token loss
     is divided by the number of loss_mask == 1 tokens counted before band masking, or by `denominator` when given:
     Dr.GRPO's constant (batch x max_new_tokens), or the token count of a batch some rows of which were left out.
-    `correction` picks the behaviour correction (`behavior_correction`).
+    `correction` picks the behaviour correction (`behavior_correction`); None is the default `PrecisionConfig`'s.
     """
+    correction = correction if correction is not None else PrecisionConfig()
     mask = loss_mask.float()
     adv = advantages.float()
     if adv.dim() == 1:
@@ -102,7 +101,7 @@ def ppo_loss(
 
     # Behaviour correction: by default w = sg(min(pi_prox / mu, C)), tokens whose pi_prox / mu leaves the band masked.
     behavior_ratio = torch.exp(prox_logp - behavior_logp)
-    weight, in_band = behavior_correction(prox_logp, behavior_logp, mask, cfg, correction)
+    weight, in_band = behavior_correction(prox_logp, behavior_logp, mask, correction)
     keep = mask * in_band
 
     token_loss = -weight * objective
@@ -128,7 +127,7 @@ def ppo_loss(
             "is_weight_mean": mean(weight),
             "is_weight_max": float(weight[any_token].max()) if any_token.any() else 0.0,
             "is_ratio_max": float(behavior_ratio[any_token].max()) if any_token.any() else 0.0,
-            "is_capped_frac": mean((behavior_ratio > cfg.behavior_cap).float()),
+            "is_capped_frac": mean((behavior_ratio > correction.correction_cap).float()),
             "band_masked_frac": float((mask * (1.0 - in_band)).sum() / n),
             "band_masked_tokens": float((mask * (1.0 - in_band)).sum()),
             "policy_lag_k3": mean(k3(behavior_logp - prox_logp)),  # KL(pi_prox || mu) estimate
@@ -140,6 +139,14 @@ def ppo_loss(
     return loss, stats
 
 
+def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """logits / T in fp32; `temperature` is a float or a per-sequence tensor [B]."""
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1, 1, 1)
+    return logits / temperature
+
+
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor, is_exact: bool = False
 ) -> torch.Tensor:
@@ -148,9 +155,12 @@ def token_logprobs(
     `temperature` is a float or a per-sequence tensor [B] (the temperature recorded on each trajectory).
     `is_exact` takes the exact backend's batch-invariant log_softmax, the one the rollout engine records with.
     """
-    logits = logits.float()
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1, 1, 1)
-    scaled = logits / temperature
+    scaled = _scaled(logits, temperature)
     logprobs = exact.log_softmax(scaled) if is_exact else torch.log_softmax(scaled, dim=-1)
     return logprobs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax(logits / T) at each position, in fp32, without grad: [B, T, V] -> [B, T]."""
+    with torch.no_grad():
+        return torch.special.entr(torch.softmax(_scaled(logits, temperature), dim=-1)).sum(-1)  # -p log p, 0 at p = 0

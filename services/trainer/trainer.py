@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from services.controller.admission import task_quotas
 from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
-from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
+from services.trainer.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
 from services.trainer.mismatch import mismatch_stats
 from services.trainer.staleness import staleness_stats
 from shared.bus import RedisBus
@@ -26,6 +26,7 @@ from shared.model import CausalLM, load_pretrained, load_state, save_pretrained
 from shared.precision import published_dtype
 from shared.schedule import cosine_lr
 from shared.store import Manifest, WeightStore
+from shared.tasks import get_task
 
 log = logging.getLogger("jetroll.trainer")
 
@@ -48,13 +49,15 @@ def policy_width(loss_mask: torch.Tensor) -> int:
     return int(columns.max()) + 1 if len(columns) else loss_mask.shape[1]
 
 
-def proximal_logprobs(
+def proximal_pass(
     model: CausalLM, input_ids: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
-) -> torch.Tensor:
-    """The trainer's no-grad log-prob pass [B, T]; on the exact backend bitwise what rollout recorded at this version,
-    whatever the batch composition and padding."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's no-grad pass: log-probs and token entropies [B, T]. On the exact backend the log-probs are bitwise
+    what rollout recorded at this version, whatever the batch composition and padding."""
     with torch.no_grad():
-        return token_logprobs(model(input_ids), targets, temperature, is_exact=model.precision.backend == "exact")
+        logits = model(input_ids)
+        is_exact = model.precision.backend == "exact"
+        return token_logprobs(logits, targets, temperature, is_exact=is_exact), token_entropy(logits, temperature)
 
 
 class Trainer:
@@ -222,9 +225,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         is_exact = self.config.precision.backend == "exact"
         if is_exact:  # pi_prox from the exact backend; the gradient pass below stays on `fast`
-            prox_logp = proximal_logprobs(self.model, batch.input_ids, batch.targets, batch.temperature)
-        else:
-            prox_logp = torch.zeros_like(batch.behavior_logp)
+            prox_logp, entropy = proximal_pass(self.model, batch.input_ids, batch.targets, batch.temperature)
+        else:  # filled from the passes below: every row gets one
+            prox_logp, entropy = torch.zeros_like(batch.behavior_logp), torch.zeros_like(batch.behavior_logp)
         # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
         # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
         rows = gradient_rows(batch.rewards, has_kl=self.reference is not None)
@@ -232,11 +235,14 @@ class Trainer:
         if not is_exact and len(idle):
             width = policy_width(batch.loss_mask[idle])
             with torch.no_grad():
-                prox_logp[idle, :width] = token_logprobs(self._group_logits(self.model, batch, idle, width),
-                                                         batch.targets[idle, :width], batch.temperature[idle])
-        # the PPO loss divides by the whole batch's policy tokens (or Dr.GRPO's constant), skipped rows included
+                logits = self._group_logits(self.model, batch, idle, width)
+                prox_logp[idle, :width] = token_logprobs(logits, batch.targets[idle, :width], batch.temperature[idle])
+                entropy[idle, :width] = token_entropy(logits, batch.temperature[idle])
+        # the PPO loss divides by the whole batch's policy tokens, skipped rows included; Dr.GRPO by its constant, batch
+        # x max_new_tokens (each sample's generation budget): a padded width would scale the step by the longest sample
         if cfg.advantage == "dr_grpo":
-            denominator = float(len(advantages) * batch.loss_mask.shape[1])
+            denominator = float(sum(self.config.rollout.sample_budget(get_task(task).max_new_tokens)
+                                    for task in batch.tasks))
         else:
             denominator = float(loss_mask.sum().clamp(min=1.0))
         stats: dict[str, float] = {"grad_rows_frac": float(rows.float().mean()), "lr": self._lr()}
@@ -244,11 +250,12 @@ class Trainer:
             trained = rows.nonzero().squeeze(-1)
             width = policy_width(batch.loss_mask[trained])
             targets = batch.targets[trained, :width]
-            logp = token_logprobs(self._group_logits(self.model, batch, trained, width), targets,
-                                  batch.temperature[trained])
+            logits = self._group_logits(self.model, batch, trained, width)
+            logp = token_logprobs(logits, targets, batch.temperature[trained])
             if not is_exact:
                 # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
                 prox_logp[trained, :width] = logp.detach()
+                entropy[trained, :width] = token_entropy(logits, batch.temperature[trained])
             ref_logp = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -256,13 +263,16 @@ class Trainer:
                                               batch.temperature[trained])
             loss, loss_stats = ppo_loss(
                 logp, prox_logp[trained, :width], batch.behavior_logp[trained, :width], advantages[trained],
-                loss_mask[trained, :width], cfg, denominator=denominator, ref_logp=ref_logp)
+                loss_mask[trained, :width], cfg, denominator=denominator, ref_logp=ref_logp,
+                correction=self.config.precision)
             loss.backward()
             stats |= loss_stats
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
             for param_group in self.optimizer.param_groups:
                 param_group["lr"] = stats["lr"]
             self.optimizer.step()
+        # of pi_prox, the policy at the start of the step, over every policy token (zero-advantage groups included)
+        stats["entropy"] = float(entropy[batch.loss_mask > 0].mean()) if batch.loss_mask.any() else float("nan")
         stats.update(self._staleness_stats(batch, prox_logp))
         stats.update(self._task_stats(batch))
         return stats
@@ -285,7 +295,7 @@ class Trainer:
         mask = batch.loss_mask > 0
         same_version = mask & (batch.v_tok == self.version)
         delta = (prox_logp - batch.behavior_logp).abs()[same_version]
-        return mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.trainer.behavior_cap) | {
+        return mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap) | {
             "mismatch_abs_sum": float(delta.sum()),
             "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
             "mismatch_tokens": float(same_version.sum()),

@@ -100,17 +100,22 @@ def test_bench_async_quick_json_smoke() -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
-    """One step per mode on a 1-layer model built in tmp; a second call resumes from the saved runs."""
+    """One step per arm on a 1-layer model built in tmp; a second call resumes from the saved runs."""
     cmd = [sys.executable, "-m", "services.cli", "bench", "precision", "--json", "--seeds", "1", "--max-steps", "1",
            "--run-dir", str(tmp_path / "runs"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=2",
            "--set", "model.warm_start.init_from.max_steps=2", "--set", "model.warm_start.init_from.target_band=null",
            "--set", f"model.cache_dir={tmp_path / 'cache'}", "--set", "eval.num_problems=1",
            "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
-    assert [(run["mode"], run["seed"]) for run in first["runs"]] == [
-        ("bf16", 0), ("fp8_unified", 0), ("fp8_rollout_only", 0)]
+    assert [(run["mode"], run["correction"], run["seed"]) for run in first["runs"]] == [
+        ("bf16", "none", 0), ("fp8_unified", "none", 0), ("fp8_rollout_only", "none", 0),
+        ("fp8_rollout_only", "token_tis", 0), ("fp8_rollout_only", "icepop", 0)]
     assert all(len(run["reward_curve"]) == 1 for run in first["runs"])
-    assert {"unified_minus_bf16", "bf16_std", "rollout_only_minus_bf16"} <= set(first["summary"])
+    for run in first["runs"]:  # each job ran with its arm's correction, not the config file's
+        job = json.loads((tmp_path / "runs" / f"{run['mode']}-{run['correction']}-seed0" / "config.json").read_text())
+        assert (job["precision"]["mode"], job["precision"]["correction"]) == (run["mode"], run["correction"])
+    assert {"unified_minus_bf16", "bf16_std", "rollout_only_minus_bf16", "rollout_only_token_tis_minus_bf16",
+            "rollout_only_icepop_minus_bf16"} <= set(first["summary"])
     assert (tmp_path / "runs" / "precision.png").stat().st_size > 0
     started = time.perf_counter()
     again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)

@@ -218,6 +218,7 @@ def check_summary(job: Job, max_steps: int) -> dict:
     assert 0.0 < summary["mismatch_coverage"] <= 1.0
     rows = job.metrics()
     assert [int(r["step"]) for r in rows] == list(range(1, max_steps + 1))
+    assert all(r["entropy"] > 0 for r in rows), [r.get("entropy") for r in rows]  # nats, of pi_prox per policy token
     assert (job.run_dir / "curves.png").stat().st_size > 0
     # every key of the job is one that retention bounds
     memory = summary["redis_memory"]

@@ -13,7 +13,7 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.trainer.trainer import proximal_logprobs
+from services.trainer.trainer import proximal_pass
 from shared.config import PrecisionConfig
 from shared.model import load_pretrained
 
@@ -38,7 +38,7 @@ def main(job_path: str) -> None:
                 input_ids[j, : lengths[i] - 1] = ids[i, : lengths[i] - 1]
                 targets[j, : lengths[i] - 1] = ids[i, 1 : lengths[i]]
             temperature = torch.full((len(rows),), job["temperature"])
-            scored = proximal_logprobs(model, input_ids, targets, temperature)
+            scored, _ = proximal_pass(model, input_ids, targets, temperature)
             for j, i in enumerate(rows):
                 logprobs[i, : lengths[i] - 1] = scored[j, : lengths[i] - 1]
         out[f"v{version}"] = logprobs

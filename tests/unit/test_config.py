@@ -42,7 +42,7 @@ def test_overrides_parse_types() -> None:
         "trainer.max_steps=7",
         "rollout.recompute_kv_on_swap=false",
         "model.tie_word_embeddings=no",
-        "trainer.behavior_band=[0.1, 5]",
+        "precision.decoupled_band=[0.1, 5]",
         "model.warm_start.tasks=[arithmetic, count]",
         "tasks=[{name: arithmetic, weight: 2}, {name: count}]",
         "staleness.mode=sync",
@@ -51,7 +51,7 @@ def test_overrides_parse_types() -> None:
     assert isinstance(config.trainer.lr, float) and config.trainer.lr == pytest.approx(1e-4)
     assert config.trainer.max_steps == 7 and isinstance(config.trainer.max_steps, int)
     assert config.rollout.recompute_kv_on_swap is False and config.model.tie_word_embeddings is False
-    assert config.trainer.behavior_band == (0.1, 5.0)
+    assert config.precision.decoupled_band == (0.1, 5.0)
     assert config.model.warm_start.tasks == ["arithmetic", "count"]
     assert [(t.name, t.weight) for t in config.tasks] == [("arithmetic", 2.0), ("count", 1.0)]
     assert config.staleness.eta == 0 and config.job_id == "abc123"
@@ -86,7 +86,10 @@ def test_bad_value_names_the_key(override: str, names: list[str]) -> None:
 
 @pytest.mark.parametrize(("override", "name"), [("trainer.bogus=1", "trainer.bogus"),
                                               ("bogus_section.x=1", "bogus_section"),
-                                              ("model.warm_start.bogus=2", "model.warm_start.bogus")])
+                                              ("model.warm_start.bogus=2", "model.warm_start.bogus"),
+                                              # the loss's correction owns C and its band: the old keys are gone
+                                              ("trainer.behavior_cap=2", "trainer.behavior_cap"),
+                                              ("trainer.behavior_band=[0, 10]", "trainer.behavior_band")])
 def test_unknown_key_is_named(override: str, name: str) -> None:
     message = _error([override])
     assert name in message and "unknown key" in message, message

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from services.trainer.loss import group_advantages, ppo_loss, token_logprobs
+from services.trainer.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
 from services.trainer.trainer import gradient_rows, policy_width
-from shared.config import TrainerConfig
+from shared.config import PrecisionConfig, TrainerConfig
 from shared.model import CausalLM, ModelArgs
 
 
 def _cfg(**kw: object) -> TrainerConfig:
-    base = {"clip_eps": 0.2, "clip_eps_high": 0.28, "dual_clip_c": 3.0, "behavior_cap": 2.0}
+    base = {"clip_eps": 0.2, "clip_eps_high": 0.28, "dual_clip_c": 3.0}
     base.update(kw)
     return TrainerConfig(**base)
 
@@ -136,12 +136,13 @@ def test_dual_clip_bounds_loss_for_negative_advantage() -> None:
 
 
 def test_behavior_weight_is_capped_and_detached() -> None:
-    cfg = _cfg(behavior_cap=2.0, behavior_band=(0.0, 10.0))
+    cfg = _cfg()
+    correction = PrecisionConfig(correction_cap=2.0, decoupled_band=(0.0, 10.0))
     logp = _leaf([[-1.0, -1.0]])
     prox = logp.detach()
     beh = prox - torch.tensor([[math.log(5.0), math.log(1.5)]])  # pi_prox / mu = 5 and 1.5
     adv = torch.tensor([1.0])
-    loss, grad, stats = _grad(logp, prox, beh, adv, torch.ones(1, 2), cfg)
+    loss, grad, stats = _grad(logp, prox, beh, adv, torch.ones(1, 2), cfg, correction=correction)
     torch.testing.assert_close(grad, torch.tensor([[-2.0 / 2, -1.5 / 2]]))  # cap C = 2 on the first
     assert loss.item() == pytest.approx(-(2.0 + 1.5) / 2)
     assert stats["is_weight_max"] == pytest.approx(2.0)
@@ -150,20 +151,21 @@ def test_behavior_weight_is_capped_and_detached() -> None:
     assert stats["is_capped_frac"] == 0.5
     # gradient flows only through logp: prox / behaviour log-probs are stop-grad
     prox_g = prox.clone().requires_grad_(True)
-    loss2, _ = ppo_loss(logp, prox_g, beh, adv, torch.ones(1, 2), cfg)
+    loss2, _ = ppo_loss(logp, prox_g, beh, adv, torch.ones(1, 2), cfg, correction=correction)
     loss2.backward()
     assert prox_g.grad is None or torch.all(prox_g.grad == 0)
 
 
 def test_band_masking_counted_and_denominator_counts_before_band() -> None:
-    cfg = _cfg(behavior_band=(0.5, 10.0), behavior_cap=100.0)
+    cfg = _cfg()
+    correction = PrecisionConfig(decoupled_band=(0.5, 10.0), correction_cap=100.0)
     logp = _leaf([[-1.0, -1.0, -1.0, -1.0, -1.0]])
     prox = logp.detach()
     ratios = torch.tensor([[1.0, 20.0, 0.2, 1.0, 50.0]])  # 20 and 0.2 leave the band; last is mask 0
     beh = prox - ratios.log()
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     adv = torch.tensor([1.0])
-    loss, grad, stats = _grad(logp, prox, beh, adv, mask, cfg)
+    loss, grad, stats = _grad(logp, prox, beh, adv, mask, cfg, correction=correction)
     # only tokens 0 and 3 contribute, but the denominator is all 4 loss_mask tokens
     torch.testing.assert_close(grad, torch.tensor([[-0.25, 0.0, 0.0, -0.25, 0.0]]))
     assert loss.item() == pytest.approx(-2 / 4)
@@ -192,7 +194,8 @@ def test_policy_lag_k3_and_reference_kl() -> None:
     beh = prox + delta
     mask = torch.ones(1, 2)
     expected_lag = float((delta.exp() - 1 - delta).mean())
-    _, stats = ppo_loss(logp, prox, beh, torch.tensor([0.0]), mask, _cfg(behavior_cap=10.0))
+    _, stats = ppo_loss(logp, prox, beh, torch.tensor([0.0]), mask, _cfg(),
+                        correction=PrecisionConfig(correction_cap=10.0))
     assert stats["policy_lag_k3"] == pytest.approx(expected_lag, rel=1e-5)
     # with A = 0 the loss is only the reference KL (k3), so its value and gradient are explicit
     ref = prox + torch.tensor([[0.5, -0.4]])
@@ -241,6 +244,20 @@ def test_token_logprobs_with_temperature() -> None:
     torch.testing.assert_close(per_seq, _manual_logprobs(logits, targets, [0.5, 1.3]))
 
 
+def test_token_entropy_of_known_distributions() -> None:
+    """Nats: p = (1/2, 1/4, 1/4) has 1.5 ln 2; at T = 2 the logits halve; uniform has ln V; p = (1, 0) has 0."""
+    logits = torch.tensor([[[math.log(4.0), math.log(2.0), math.log(2.0)]] * 2])  # [1, 2, 3]
+    torch.testing.assert_close(token_entropy(logits, 1.0), torch.full((1, 2), 1.5 * math.log(2.0)))
+    p = torch.tensor([2.0, math.sqrt(2.0), math.sqrt(2.0)])
+    p = p / p.sum()  # softmax(logits / 2)
+    per_row = token_entropy(logits.expand(2, 2, 3), torch.tensor([1.0, 2.0]))  # a temperature per sequence
+    torch.testing.assert_close(per_row[:, 0], torch.tensor([1.5 * math.log(2.0), float(-(p * p.log()).sum())]))
+    assert token_entropy(torch.zeros(1, 1, 7), 0.7).item() == pytest.approx(math.log(7.0))
+    certain = token_entropy(torch.tensor([[[0.0, -math.inf], [50.0, 0.0]]]), 1.0)
+    assert certain[0, 0].item() == 0.0 and 0 <= certain[0, 1].item() < 1e-18
+    assert not token_entropy(_leaf([[1.0, 2.0]]).unsqueeze(0), 1.0).requires_grad
+
+
 def test_token_logprobs_fp32_from_bf16_logits() -> None:
     logits = (torch.randn(1, 4, 11, generator=torch.Generator().manual_seed(1)) * 5).bfloat16()
     targets = torch.tensor([[0, 3, 10, 5]])
@@ -277,7 +294,7 @@ def test_leaving_out_zero_advantage_rows_keeps_the_gradient(advantage: str) -> N
     mask[0, 3:9] = 1.0  # the longest row has zero advantage, so the trimmed pass is narrower
     jitter = torch.randn(6, 9) * 0.05  # mu a little off pi_prox, so the behaviour weight is not 1
     cfg = _cfg(advantage=advantage)
-    denominator = float(6 * 9) if advantage == "dr_grpo" else float(mask.sum())
+    denominator = float(6 * 8) if advantage == "dr_grpo" else float(mask.sum())  # Dr.GRPO: batch x max_new_tokens
 
     def grads(rows: torch.Tensor, width: int) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)

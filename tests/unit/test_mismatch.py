@@ -9,7 +9,7 @@ import torch
 
 from services.trainer.loss import behavior_correction
 from services.trainer.mismatch import mismatch_stats
-from shared.config import PrecisionConfig, TrainerConfig
+from shared.config import PrecisionConfig
 
 
 def test_mismatch_stats_on_known_deltas() -> None:
@@ -47,18 +47,19 @@ def test_no_tokens_no_stats_and_equal_logprobs_are_zero() -> None:
 
 def test_behavior_corrections() -> None:
     """r = pi_prox / mu per token; sequence 0 has r = (3, 1, 0.4), sequence 1 has r = (1.5, 1.2) and a pad."""
-    cfg = TrainerConfig()
     prox = torch.log(torch.tensor([[3.0, 1.0, 0.4], [1.5, 1.2, 7.0]]))
     mu = torch.zeros(2, 3)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
     def run(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        weight, keep = behavior_correction(prox, mu, mask, cfg, PrecisionConfig(correction=kind))
+        weight, keep = behavior_correction(prox, mu, mask, PrecisionConfig(correction=kind))
         return weight * mask, keep * mask
 
-    decoupled = behavior_correction(prox, mu, mask, cfg)
+    assert PrecisionConfig().correction == "decoupled"
     assert torch.allclose(run("decoupled")[0], torch.tensor([[2.0, 1.0, 0.4], [1.5, 1.2, 0.0]]))
-    assert torch.equal(decoupled[0], behavior_correction(prox, mu, mask, cfg, PrecisionConfig())[0])
+    narrow = behavior_correction(prox, mu, mask, PrecisionConfig(decoupled_band=(0.5, 2.5), correction_cap=1.5))
+    assert torch.allclose(narrow[0] * mask, torch.tensor([[1.5, 1.0, 0.4], [1.5, 1.2, 0.0]]))  # one C for all
+    assert torch.equal(narrow[1] * mask, torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 0.0]]))
     assert torch.equal(run("none")[0], mask) and torch.equal(run("none")[1], mask)
     assert torch.allclose(run("token_tis")[0], torch.tensor([[2.0, 1.0, 0.4], [1.5, 1.2, 0.0]]))
     weight, keep = run("icepop")  # band [0.5, 2]: 3 and 0.4 are masked
@@ -67,11 +68,14 @@ def test_behavior_corrections() -> None:
     weight, keep = run("seq_mis")  # sequence ratios 1.2 (kept, pad excluded) and 1.8 (kept); cap 2
     assert torch.allclose(weight, torch.tensor([[1.2, 1.2, 1.2], [1.8, 1.8, 0.0]]))
     assert torch.equal(keep, mask)
-    capped = behavior_correction(prox, mu, mask, cfg, PrecisionConfig(correction="seq_mis", correction_cap=1.5))
+    capped = behavior_correction(prox, mu, mask, PrecisionConfig(correction="seq_mis", correction_cap=1.5))
     assert capped[1][:, 0].tolist() == [1.0, 0.0]  # 1.8 > 1.5: the whole sequence is masked
 
 
 def test_correction_is_not_part_of_the_precision_id() -> None:
-    assert PrecisionConfig(correction="icepop").precision_id == PrecisionConfig().precision_id
+    loss_only = PrecisionConfig(correction="icepop", correction_cap=3.0, decoupled_band=(0.1, 5.0))
+    assert loss_only.precision_id == PrecisionConfig().precision_id
     with pytest.raises(ValueError, match="icepop_band"):
         PrecisionConfig(icepop_band=(2.0, 0.5))
+    with pytest.raises(ValueError, match="decoupled_band"):
+        PrecisionConfig(decoupled_band=(1.0, 1.0))

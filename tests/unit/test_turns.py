@@ -14,7 +14,7 @@ import torch
 
 from services.rollout.engine import Engine, Request
 from services.rollout.turns import TurnRunner, run_episodes
-from services.trainer.trainer import proximal_logprobs
+from services.trainer.trainer import proximal_pass
 from shared.config import PrecisionConfig
 from shared.env import EnvStep
 from shared.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
@@ -150,7 +150,7 @@ def test_exact_backend_logprobs_after_an_observation_are_bitwise_the_trainers(tm
     for request in requests:
         assert TOKENIZER.decode(request.output_ids) == "12\n= 1\n12\n= 2\n12\n"
         ids = torch.tensor([request.prompt_ids + request.output_ids])
-        trainer = proximal_logprobs(trainer_model, ids[:, :-1], ids[:, 1:], torch.tensor([1.0]))
+        trainer, _ = proximal_pass(trainer_model, ids[:, :-1], ids[:, 1:], torch.tensor([1.0]))
         trainer = trainer[0, len(request.prompt_ids) - 1 :]
         mask = torch.tensor(request.loss_mask, dtype=torch.bool)
         assert torch.equal(torch.tensor(request.logprobs, dtype=torch.float32)[mask], trainer[mask])

@@ -1,0 +1,173 @@
+"""The trainer's real step (`Trainer._step` on a tiny model, the batch assembled as the trainer assembles it): what
+the loss's config knobs do to the update it makes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.init_model import init_weights, model_args
+from services.trainer.batch import GroupBuffer, PendingGroup, collate
+from services.trainer.trainer import Trainer, proximal_pass
+from shared.bus import RedisBus
+from shared.config import ModelConfig, validate_config
+from shared.events import Array, ScoredEvent, TrajectoryEvent
+from shared.model import CausalLM, save_pretrained
+from shared.store import setup_store
+from shared.tasks import get_task
+from shared.tokenizer import build_char_tokenizer
+
+TINY = ModelConfig(num_layers=1, intermediate_size=256)
+CORRECTIONS = ("decoupled", "none", "token_tis", "seq_mis", "icepop")
+# r = pi_prox / mu of each completion token, two groups of four; sequence products 0.36, 60, 1.08, 16 | 1.35, 4.8,
+# 0.9, 7.2, so seq_mis (C = 2) keeps the first, third, fifth and seventh sequences
+RATIOS = ((0.3, 0.8, 1.5), (3.0, 20.0), (0.8, 1.5, 0.3, 3.0), (20.0, 0.8),
+          (1.5, 3.0, 0.3), (0.3, 20.0, 0.8), (3.0, 0.3), (0.8, 20.0, 1.5, 0.3))
+REWARDS = ((1.0, 0.0, 1.0, 0.0), (0.0, 1.0, 1.0, 0.0))
+PROMPTS = ("12+34=", "7-5=")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="jetroll-step-model-") as tmp:
+        tokenizer = build_char_tokenizer()
+        torch.manual_seed(0)
+        model = CausalLM(model_args(TINY, tokenizer))
+        init_weights(model)
+        save_pretrained(model, tokenizer, tmp)
+        yield Path(tmp)
+
+
+def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, **sections: dict[str, Any]) -> Trainer:
+    """A real Trainer on the tiny model; the step under test never touches its bus or store."""
+    tree: dict[str, Any] = {"job_id": f"t{uuid.uuid4().hex[:8]}", "trainer": {"group_size": 4},
+                            "model": {**TINY.model_dump(), "path": str(model_dir)},
+                            "store": {"root": str(run_dir / "store")}}
+    for name, fields in sections.items():
+        tree[name] = {**tree.get(name, {}), **fields}
+    config = validate_config(tree)
+    bus = RedisBus(redis_url, config.job_id)
+    return Trainer(config, bus, setup_store(config.store, config.job_id, run_dir), "trainer")
+
+
+def trajectory(job_id: str, row: int, completion: list[int], behavior_logp: list[float],
+               rewards: tuple[tuple[float, ...], ...] = REWARDS) -> ScoredEvent:
+    group, sample = divmod(row, 4)
+    tokenizer = build_char_tokenizer()
+    n = len(completion)
+    traj = TrajectoryEvent(
+        job_id=job_id, traj_id=f"g{group}:{sample}", group_id=f"g{group}", sample=sample, task="arithmetic",
+        pool="default", prompt=PROMPTS[group], answer="0", prompt_ids=Array.of(tokenizer.encode(PROMPTS[group]), "<i4"),
+        completion_ids=Array.of(completion, "<i4"), loss_mask=Array.of([1] * n, "<u1"),
+        behavior_logprobs=Array.of(behavior_logp, "<f4"), v_tok=Array.of([0] * n, "<i4"), v_adm=0, group_size=4,
+        temperature=1.0, top_p=1.0, precision_id="p", finish_reason="stop")
+    return ScoredEvent(job_id=job_id, trajectory=traj, reward=rewards[group][sample], status="ok", attempts=1,
+                       backend="local", latency_s=0.0)
+
+
+def groups_of(events: list[ScoredEvent]) -> list[PendingGroup]:
+    """The step's groups, through the trainer's own buffer."""
+    buffer = GroupBuffer()
+    for i, event in enumerate(events):
+        assert buffer.add(f"0-{i}", event)
+    groups = buffer.take_oldest(len(REWARDS))
+    assert groups is not None
+    return groups
+
+
+def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...], ...] = RATIOS,
+                       rewards: tuple[tuple[float, ...], ...] = REWARDS) -> list[ScoredEvent]:
+    """Events whose mu = the trainer's own log-prob of each token minus log(ratio): pi_prox / mu = the ratios."""
+    job = trainer.config.job_id
+    completions = [[trainer.tokenizer.encode(str(d))[0] for d in range(len(r))] for r in ratios_of_rows]
+    placeholder = [trajectory(job, i, c, [0.0] * len(c)) for i, c in enumerate(completions)]
+    batch = collate(groups_of(placeholder), trainer.tokenizer.pad_id)
+    logp, _ = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+    events = []
+    for row, (completion, ratios) in enumerate(zip(completions, ratios_of_rows, strict=True)):
+        own = logp[row][batch.loss_mask[row] > 0]
+        events.append(trajectory(job, row, completion, (own - torch.tensor(ratios).log()).tolist(), rewards))
+    return events
+
+
+def flat_parameters(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+
+def test_every_correction_changes_the_trainers_update(
+    model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """One real step from the same weights on the same batch per `precision.correction`: the masks it reports are
+    the correction's, and the five updated weights differ pairwise."""
+    events = events_with_ratios(make_trainer(model_dir, tmp_path / "probe", redis_url))
+    num_tokens = sum(map(len, RATIOS))
+    expected_masked = {  # tokens each correction drops from the loss
+        "decoupled": sum(r > 10.0 for rs in RATIOS for r in rs),  # decoupled_band (0, 10)
+        "none": 0, "token_tis": 0,
+        "seq_mis": sum(len(rs) for rs in RATIOS if math.prod(rs) > 2.0),
+        "icepop": sum(not 0.5 <= r <= 2.0 for rs in RATIOS for r in rs),  # icepop_band (0.5, 2)
+    }
+    start, updated = None, {}
+    for kind in CORRECTIONS:
+        trainer = make_trainer(model_dir, tmp_path / kind, redis_url, precision={"correction": kind})
+        before = flat_parameters(trainer)
+        start = before if start is None else start
+        assert torch.equal(before, start)
+        stats = trainer._step(groups_of(events))
+        assert stats["num_tokens"] == num_tokens and stats["grad_rows_frac"] == 1.0
+        assert stats["is_ratio_max"] == pytest.approx(20.0, rel=1e-4)  # the ratios reached the loss
+        assert stats["band_masked_tokens"] == expected_masked[kind], kind
+        updated[kind] = flat_parameters(trainer) - start
+        assert updated[kind].abs().max() > 0, kind
+    for a, b in itertools.combinations(CORRECTIONS, 2):
+        gap = float((updated[a] - updated[b]).norm() / updated[a].norm())
+        assert gap > 0.05, f"{a} and {b} give updates only {gap:.3f} apart"
+
+
+@pytest.mark.parametrize("cap", [None, 4])
+def test_dr_grpo_divides_by_batch_times_max_new_tokens(
+    cap: int | None, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """On policy (pi_theta = pi_prox = mu) every token's loss is -A, so the step's loss is -sum(A x length) / D: D is
+    batch x max_new_tokens (arithmetic asks for 8; rollout.max_new_tokens caps it), not batch x padded width."""
+    sections: dict[str, Any] = {"trainer": {"group_size": 4, "advantage": "dr_grpo"}}
+    if cap is not None:
+        sections["rollout"] = {"max_new_tokens": cap}
+    trainer = make_trainer(model_dir, tmp_path, redis_url, **sections)
+    on_policy = tuple(tuple(1.0 for _ in row) for row in RATIOS)
+    groups = groups_of(events_with_ratios(trainer, on_policy))
+    stats = trainer._step(groups)
+    advantages = [r - sum(rewards) / len(rewards) for rewards in REWARDS for r in rewards]
+    summed = sum(a * len(row) for a, row in zip(advantages, RATIOS, strict=True))
+    own = get_task("arithmetic").max_new_tokens
+    budget = own if cap is None else min(own, cap)
+    assert summed != 0 and budget == trainer.config.rollout.sample_budget(own)
+    width = collate(groups, trainer.tokenizer.pad_id).loss_mask.shape[1]
+    assert width != budget  # the padded width would give another loss
+    assert stats["loss"] == pytest.approx(-summed / (len(RATIOS) * budget), rel=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["fast", "exact"])
+def test_step_reports_the_token_entropy_of_pi_prox(
+    backend: str, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """`entropy` is the mean over every policy token of H(softmax(logits / T)) at the step's start: the rows of the
+    gradient pass and those of a zero-advantage group (the no-grad pass) alike, or the exact pi_prox pass's."""
+    trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"backend": backend})
+    rewards = (REWARDS[0], (1.0, 1.0, 1.0, 1.0))  # the second group has no signal
+    groups = groups_of(events_with_ratios(trainer, RATIOS, rewards))
+    batch = collate(groups, trainer.tokenizer.pad_id)
+    _, entropy = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+    stats = trainer._step(groups)
+    assert stats["grad_rows_frac"] == 0.5
+    expected = float(entropy[batch.loss_mask > 0].mean())
+    assert 0 < expected <= math.log(trainer.model.args.vocab_size)
+    assert stats["entropy"] == pytest.approx(expected, rel=1e-5)
