@@ -128,7 +128,9 @@ class _SupervisedPass:
     """The SFT loop as a resumable state: model, optimizer and data RNG, so a rollback replays the same steps."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, warm: WarmStartConfig) -> None:
-        self.model, self.tokenizer, self.warm = model, tokenizer, warm
+        self.model = model
+        self.tokenizer = tokenizer
+        self.warm = warm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.rng = random.Random(warm.seed)
         self.step = 0
@@ -188,7 +190,7 @@ def _probe(sft: _SupervisedPass, bar: Progress, job: TaskID, history: list[list[
 
 def _train_to_band(sft: _SupervisedPass, bar: Progress, job: TaskID) -> dict[str, Any]:
     """Train until a probe evaluation lands in the band; returns the probe history and how the pass stopped."""
-    warm = sft.warm
+    warm: WarmStartConfig = sft.warm
     band = warm.target_band
     history: list[list[float]] = []
     if band is None:
