@@ -38,7 +38,7 @@ class Controller:
                                    task_caps=in_flight_caps(config) if trainer.task_quotas else None)
         self.task_names = [t.name for t in config.tasks]
         self.task_of_group: dict[str, str] = {}  # admitted groups, for the per-task in-flight caps
-        self.rng = random.Random(trainer.seed)
+        self.rng = random.Random(config.seed)
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
         self.book = MetricsBook(run_dir)
