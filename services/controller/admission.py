@@ -15,6 +15,11 @@ from shared.config import JobConfig
 IN_FLIGHT = "in_flight"
 
 
+def group_id_for(index: int) -> str:
+    """The id of the group admitted `index`-th in its job (from 1), e.g. g0000001."""
+    return f"g{index:07d}"
+
+
 def task_shares(config: JobConfig) -> dict[str, float]:
     total = sum(task.weight for task in config.tasks)
     return {task.name: task.weight / total for task in config.tasks}
