@@ -20,6 +20,12 @@ def group_id_for(index: int) -> str:
     return f"g{index:07d}"
 
 
+def admission_order(group_id: str) -> tuple[int, str]:
+    """Sort key that puts the controller's ids in admission order: zero-padded to 7 digits, an id grows longer only
+    past index 10^7, so a shorter id was admitted earlier (plain string order would put g10000000 first)."""
+    return len(group_id), group_id
+
+
 def task_shares(config: JobConfig) -> dict[str, float]:
     total = sum(task.weight for task in config.tasks)
     return {task.name: task.weight / total for task in config.tasks}
