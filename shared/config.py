@@ -273,7 +273,6 @@ class TrainerConfig(Strict):
     task_quotas: bool = Field(True, description="each task gets its weight share of every step's groups and of the "
                               "admission window; a share a task leaves unused goes to the others' oldest groups")
     checkpoint_every: int = Field(20, ge=1, description="write a resumable checkpoint every K steps")
-    seed: int = Field(0, description="trainer RNG seed")
     threads: int = Field(1, ge=1, description="torch threads for the trainer")
     engine: Literal["real", "timing"] = Field("real", description="real: forward/backward and an optimizer step; "
                                               "timing: a sleep instead (weights unchanged), keeping the ledger, acks, "
@@ -451,6 +450,9 @@ class JobConfig(Strict):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
     job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:8], description="namespaces streams")
+    seed: int = Field(0, description="the job's seed: the controller's problem draws (one per admission index), "
+                      "rollout's sampling (one stream per traj_id) and the trainer's torch RNG all derive from it; "
+                      "the base model has its own, model.warm_start.seed")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tasks: list[TaskWeight] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -57,6 +57,12 @@ def group_id(index: int) -> str:
     return GROUP_ID % index
 
 
+def admission_order(group: str) -> tuple[int, str]:
+    """Sort key that puts the controller's ids in admission order: zero-padded to 7 digits, an id grows longer only
+    past index 10^7, so a shorter id was admitted earlier (plain string order would put g10000000 first)."""
+    return len(group), group
+
+
 def admission_index(group: str) -> int | None:
     """The admission index of an id `group_id` made, else None (such a group is never folded)."""
     digits = re.search(r"\d+$", group)

@@ -83,10 +83,9 @@ def run_one(tree: dict[str, Any], mode: str, correction: str, seed: int, model_p
     """One (mode, correction, seed) job; a half-written run dir from an interrupted session starts over."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    tree = {**tree, "job_id": f"prec-{mode}-{correction}-s{seed}-{int(time.time())}",
+    tree = {**tree, "job_id": f"prec-{mode}-{correction}-s{seed}-{int(time.time())}", "seed": seed,
             "model": {**tree["model"], "path": model_path},
             "precision": {**tree["precision"], "mode": mode, "correction": correction},
-            "trainer": {**tree["trainer"], "seed": seed},
             "store": {**tree["store"], "root": str(out / "store")}}
     launch_job(tree, out, redis_url)
 

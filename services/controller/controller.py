@@ -18,6 +18,7 @@ from shared.config import JobConfig
 from shared.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
 from shared.ledger import IN_FLIGHT, Ledger, LedgerTotals, group_id
 from shared.model import load_pretrained
+from shared.seeds import derive_seed
 from shared.store import WeightStore, WeightStoreError
 from shared.tasks import get_task
 from shared.tokenizer import load_tokenizer
@@ -43,7 +44,6 @@ class Controller:
                                    task_caps=in_flight_caps(config) if trainer.task_quotas else None)
         self.task_names = [t.name for t in config.tasks]
         self.task_of_group: dict[str, str] = {}  # admitted groups, for the per-task in-flight caps
-        self.rng = random.Random(trainer.seed)
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
         self.book = MetricsBook(run_dir)
@@ -55,8 +55,7 @@ class Controller:
 
     async def run(self) -> dict:
         started = time.time()
-        # a restarted controller goes on counting from what earlier lives admitted
-        self.admission.num_admitted = int(await self.bus.redis.get(self.bus.key("num_admitted")) or 0)
+        await self._restore_admitted()
         while (latest := await self.store.latest()) is None:
             await asyncio.sleep(0.2)
         accuracy_before = self._first_eval() or await self._evaluate(latest)
@@ -100,6 +99,10 @@ class Controller:
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         return summary
 
+    async def _restore_admitted(self) -> None:
+        """A restarted controller goes on counting (and drawing) from what earlier lives admitted."""
+        self.admission.num_admitted = int(await self.bus.redis.get(self.bus.key("num_admitted")) or 0)
+
     async def _admit(self) -> None:
         num = self.admission.num_allowed(self.version)
         if num == 0:
@@ -107,26 +110,29 @@ class Controller:
         in_flight = await self._in_flight_by_task()
         is_sync = self.config.staleness.mode == "sync"
         events = []
-        for _ in range(num):
-            name = self.admission.pick_task(in_flight, self.rng)
+        first = self.admission.num_admitted + 1
+        for index in range(first, first + num):
+            # group `index`'s draws are its own: a restarted controller draws the same problem for it
+            rng = random.Random(derive_seed(self.config.seed, "problem", index))
+            name = self.admission.pick_task(in_flight, rng)
             if name is None:  # every task is at its in-flight cap
                 break
             in_flight[name] = in_flight.get(name, 0) + 1
             task = get_task(name)
-            problem = task.sample(self.rng)
+            problem = task.sample(rng)
             events.append(GroupEvent(
-                job_id=self.config.job_id, group_id="", task=task.name, pool=self.pool_of_task[task.name],
-                prompt=problem.prompt, prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
+                job_id=self.config.job_id, group_id=group_id(index), task=task.name,
+                pool=self.pool_of_task[task.name], prompt=problem.prompt,
+                prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
                 answer=problem.answer, group_size=self.config.trainer.group_size,
                 max_new_tokens=self.config.rollout.sample_budget(task.max_new_tokens), v_adm=self.version,
                 min_version=self.version if is_sync else 0))
+            self.task_of_group[events[-1].group_id] = task.name
         if not events:
             return
         # the counter lives in Redis so a restarted controller never reuses a group_id
         last = await self.bus.redis.incrby(self.bus.key("num_admitted"), len(events))
-        for index, event in enumerate(events, start=last - len(events) + 1):
-            event.group_id = group_id(index)
-            self.task_of_group[event.group_id] = event.task
+        assert last == first + len(events) - 1, f"another controller admitted groups of job {self.config.job_id}"
         for pool in {e.pool for e in events}:
             batch = [e for e in events if e.pool == pool]
             await self.bus.publish_indexed(f"groups:{pool}", batch, IN_FLIGHT, {e.group_id: e.v_adm for e in batch})

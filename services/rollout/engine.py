@@ -14,11 +14,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shared import exact
 from shared.model import CausalLM, KVCache, load_state
 from shared.precision import PACKED_MIN_ROWS
+from shared.seeds import derive_seed, uniforms
 
 RECOMPUTE_TOKENS = 8192  # padded tokens per batched KV-recompute forward on a weight swap (bounds its memory)
 
@@ -41,6 +43,7 @@ class Request:
     turn_end_id: int | None = None  # multi-turn: this token ends a model turn and pauses the sequence
     observations: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of env tokens in output_ids
     env_reward: float | None = None  # the environment's own reward, when it gives one
+    sampling_key: int = field(default=0, init=False)  # set by Engine.add: its seed and request_id, hashed
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -66,7 +69,11 @@ class Engine:
     their wall time in `compile_s`, for a step that costs a fraction of eager's Python overhead.
 
     On the `exact` precision backend decode stays eager and every op takes the batch-invariant reference path, so
-    each recorded log-prob is bitwise the trainer's no-grad log-prob at the same version."""
+    each recorded log-prob is bitwise the trainer's no-grad log-prob at the same version.
+
+    Sampling is counter-based: token i of a request is drawn from the uniform number i of a stream keyed by
+    (`seed`, request_id), so a sample depends on its seed, its id and the logits it saw, never on the requests
+    decoded beside it or on the process."""
 
     def __init__(
         self, model: CausalLM, eos_id: int, max_batch: int, max_len: int, seed: int = 0, compile: bool = False
@@ -76,7 +83,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_len = min(max_len, model.args.max_position_embeddings)
         self.cache = KVCache(model.args, max_batch, self.max_len)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
         self.version = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i] lives in cache slot i
@@ -107,6 +114,7 @@ class Engine:
             if len(request.prompt_ids) >= self.max_len:
                 raise ValueError(f"request {request.request_id}: prompt of {len(request.prompt_ids)} tokens "
                                  f"does not fit the context of {self.max_len}")
+            request.sampling_key = derive_seed(self.seed, "sample", request.request_id)
         self.waiting.extend(requests)
 
     @torch.inference_mode()
@@ -281,7 +289,9 @@ class Engine:
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
             probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
-        sampled = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        keys = np.array([r.sampling_key for r in batch], dtype=np.uint64)
+        counters = np.array([len(r.output_ids) for r in batch], dtype=np.uint64)
+        sampled = sample_tokens(probs, torch.from_numpy(uniforms(keys, counters)))
         if not any(r.temperature == 0 for r in batch):
             return sampled
         greedy = torch.tensor([r.temperature == 0 for r in batch])
@@ -294,3 +304,12 @@ class Engine:
             self.cache.copy_slot(last, slot, moved.num_tokens)
             self.running[slot] = moved
         self.running.pop()
+
+
+def sample_tokens(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row of `probs` [B, V] (unnormalised, >= 0), the first token whose cumulative mass
+    exceeds `uniform` [B] (fp64 in [0, 1)) times the row's total. A row's token depends on that row alone."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    target = (uniform * cdf[:, -1])[:, None]
+    # right=True skips zero-probability tokens; the clamp catches a target that rounds up to the total
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)

@@ -95,7 +95,7 @@ class RolloutWorker:
         model, tokenizer = load_pretrained(directory, self.config.precision)
         self.tokenizer = tokenizer
         return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,
-                      seed=hash(self.consumer) % (1 << 31), compile=rollout.compile)
+                      seed=self.config.seed, compile=rollout.compile)
 
     async def _wait_for_weights(self) -> int:
         while (version := await self.store.latest()) is None:

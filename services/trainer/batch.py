@@ -1,4 +1,5 @@
-"""Group assembly: scored trajectories in, complete groups out, oldest v_adm first, each traj_id once."""
+"""Group assembly: scored trajectories in, complete groups out, oldest v_adm first, each traj_id once; a batch is in
+admission order, so its layout never depends on the order in which rewards came back."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shared.ledger import admission_order
 from shared.events import ScoredEvent
 
 
@@ -16,7 +18,6 @@ class PendingGroup:
     task: str
     v_adm: int
     group_size: int
-    arrival: int
     samples: dict[str, tuple[str, ScoredEvent]] = field(default_factory=dict)  # traj_id -> (entry_id, event)
 
     @property
@@ -40,16 +41,13 @@ class PendingGroup:
 class GroupBuffer:
     def __init__(self) -> None:
         self.groups: dict[str, PendingGroup] = {}
-        self.num_arrivals = 0
 
     def add(self, entry_id: str, event: ScoredEvent) -> bool:
         """Buffer one scored sample; False (caller acks and drops it) for a copy of a traj_id already held."""
         traj = event.trajectory
         group = self.groups.get(traj.group_id)
         if group is None:
-            self.num_arrivals += 1
-            group = self.groups[traj.group_id] = PendingGroup(traj.group_id, traj.task, traj.v_adm,
-                                                              traj.group_size, self.num_arrivals)
+            group = self.groups[traj.group_id] = PendingGroup(traj.group_id, traj.task, traj.v_adm, traj.group_size)
         if traj.traj_id in group.samples:
             return False
         group.samples[traj.traj_id] = (entry_id, event)
@@ -70,12 +68,12 @@ class GroupBuffer:
 
     def take_oldest(self, count: int, required: frozenset[str] = frozenset(),
                     quotas: dict[str, int] | None = None) -> list[PendingGroup] | None:
-        """`count` complete groups, oldest v_adm first, or None while fewer are complete or while a `required` group
-        (one that must be trained now to stay within eta_hard) is not complete. With per-task `quotas`, each task
-        first gets up to its quota of its own oldest groups; what a task leaves unused goes to the oldest of the rest,
-        so a slow task never holds a step back and a fast one never crowds the others out."""
+        """`count` complete groups, oldest v_adm first, returned in admission order; or None while fewer are complete or
+        while a `required` group (one that must be trained now to stay within eta_hard) is not complete. With per-task
+        `quotas`, each task first gets up to its quota of its own oldest groups; what a task leaves unused goes to the
+        oldest of the rest, so a slow task never holds a step back and a fast one never crowds the others out."""
         complete = sorted((g for g in self.groups.values() if g.is_complete),
-                          key=lambda g: (g.group_id not in required, g.v_adm, g.arrival))
+                          key=lambda g: (g.group_id not in required, g.v_adm, admission_order(g.group_id)))
         if len(complete) < count or not self.has_complete(required):
             return None
         taken = [g for g in complete if g.group_id in required][:count]
@@ -86,7 +84,7 @@ class GroupBuffer:
         taken += [g for g in complete if g not in taken][:count - len(taken)]
         for group in taken:
             del self.groups[group.group_id]
-        return sorted(taken, key=lambda g: (g.v_adm, g.arrival))
+        return sorted(taken, key=lambda g: admission_order(g.group_id))
 
 
 @dataclass(slots=True)

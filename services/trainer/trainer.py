@@ -89,7 +89,7 @@ class Trainer:
             self.reference.requires_grad_(False)
 
     async def run(self) -> None:
-        torch.manual_seed(self.config.trainer.seed)
+        torch.manual_seed(self.config.seed)
         await self.bus.ensure_group(STREAM, GROUP)
         await self._resume_or_publish_base()
         # scored trajectories are buffered all along, steps included: the next step's groups are at hand when it starts

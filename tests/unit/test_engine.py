@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from services.rollout import engine as engine_module
-from services.rollout.engine import Engine, Request
+from services.rollout.engine import Engine, Request, sample_tokens
+from shared.config import PrecisionConfig
 from shared.model import CausalLM, ModelArgs
+from shared.seeds import derive_seed, uniforms
 
 VOCAB = 40
 EOS = 1
@@ -16,11 +19,11 @@ EOS = 1
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_model(seed: int = 0) -> CausalLM:
+def tiny_model(seed: int = 0, precision: PrecisionConfig | None = None) -> CausalLM:
     torch.manual_seed(seed)
     args = ModelArgs(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=128, max_position_embeddings=256, eos_token_id=EOS)
-    model = CausalLM(args).eval()
+    model = CausalLM(args, precision).eval()
     with torch.no_grad():  # tied N(0, 1) embeddings give near one-hot softmaxes; soften them so sampling samples
         model.model.embed_tokens.weight.mul_(0.2)
     return model
@@ -118,6 +121,41 @@ def test_top_p_never_samples_outside_the_nucleus() -> None:
             assert row[row > row[token]].sum().item() < top_p + 1e-6
             num_outside_if_unrestricted += int((row.sort(descending=True).values.cumsum(0) < top_p).sum() < len(row))
     assert num_outside_if_unrestricted > 0  # the nucleus really excluded tokens
+
+
+def test_sampled_tokens_follow_the_probabilities() -> None:
+    """Inverse-CDF draws over 40000 streams: each token's frequency within 4 sigma of its probability, never a
+    zero-probability token (unnormalised rows, as after top_p)."""
+    probs = torch.tensor([0.0, 0.05, 0.0, 0.4, 0.15, 0.3, 0.1, 0.0]) * 3
+    num = 40_000
+    keys = np.array([derive_seed(7, "sample", f"r{i}") for i in range(num)], dtype=np.uint64)
+    tokens = sample_tokens(probs.expand(num, -1), torch.from_numpy(uniforms(keys, np.zeros(num, dtype=np.uint64))))
+    frequency = torch.bincount(tokens, minlength=len(probs)).double() / num
+    expected = probs.double() / probs.sum()
+    sigma = (expected * (1 - expected) / num).sqrt()
+    assert (frequency - expected).abs().le(4 * sigma).all(), (frequency, expected)
+    assert frequency[expected == 0].eq(0).all()
+
+
+def test_a_sample_depends_on_its_seed_and_id_not_on_its_neighbours() -> None:
+    """On the exact backend (batch-invariant logits) a request's tokens are the same alone, beside other requests,
+    or joining mid-run; another engine seed or another request id draws other tokens."""
+    model = tiny_model(precision=PrecisionConfig(backend="exact"))
+
+    def run(seed: int, request_id: str, neighbours: int, join_after: int = 0) -> list[int]:
+        engine = Engine(model, EOS, max_batch=4, max_len=64, seed=seed)
+        engine.add([Request(f"n{i}", prompt(3 + i, 60 + i), 20, ignore_eos=True) for i in range(neighbours)])
+        for _ in range(join_after):
+            engine.step()
+        request = Request(request_id, prompt(5, 50), 16, ignore_eos=True)
+        engine.generate([request])
+        return request.output_ids
+
+    alone = run(seed=5, request_id="g0000001:0", neighbours=0)
+    assert run(seed=5, request_id="g0000001:0", neighbours=3) == alone
+    assert run(seed=5, request_id="g0000001:0", neighbours=2, join_after=4) == alone
+    assert run(seed=6, request_id="g0000001:0", neighbours=0) != alone
+    assert run(seed=5, request_id="g0000001:1", neighbours=0) != alone
 
 
 @pytest.mark.parametrize("recompute_tokens", [8192, 24])  # 24: ragged chunks of one and two sequences

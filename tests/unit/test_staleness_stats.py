@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from services.bench.async_model import Durations, bound, expected_max_s, simulate
 from services.controller.admission import Admission
-from services.trainer.batch import GroupBuffer
+from shared.ledger import group_id
+from services.trainer.batch import GroupBuffer, collate
 from services.trainer.staleness import staleness_stats
 from shared.config import TimingEngineConfig
 from shared.events import Array, ScoredEvent, TrajectoryEvent
@@ -69,6 +71,25 @@ def test_required_groups_come_first_among_equal_versions() -> None:
             buffer.add(f"{group}-{sample}", scored(trajectory(group, sample, [0])))
     taken = buffer.take_oldest(2, frozenset({"g3"}))
     assert taken is not None and {g.group_id for g in taken} == {"g1", "g3"}
+
+
+def test_a_batch_is_in_admission_order_whatever_the_order_rewards_came_back() -> None:
+    """Rewards finish out of order; the batch (and so every tensor of the step) follows the admission index, also
+    past 10^7 where the ids grow a digit."""
+    indices = [3, 9_999_999, 10_000_000, 12]
+    layouts = []
+    for arrival in ([10_000_000, 12, 3, 9_999_999], [9_999_999, 3, 10_000_000, 12]):
+        buffer = GroupBuffer()
+        for sample in (1, 0):
+            for index in arrival:
+                group = group_id(index)
+                traj = trajectory(group, sample, [0] * (1 + index % 5 + sample))  # lengths differ by group and sample
+                buffer.add(f"{group}-{sample}", scored(traj))
+        taken = buffer.take_oldest(4)
+        assert taken is not None and [g.group_id for g in taken] == [group_id(i) for i in sorted(indices)]
+        batch = collate(taken, pad_id=0)
+        layouts.append((batch.input_ids, batch.loss_mask, batch.lengths))
+    assert all(torch.equal(a, b) for a, b in zip(*layouts, strict=True))
 
 
 def test_admission_bound() -> None:
