@@ -123,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     mismatch.add_argument("--samples", type=int, default=8, help="sampled completions, scored by every mode")
     mismatch.add_argument("--threads", type=int, default=1)
     mismatch.add_argument("--model", help="an HF-format model dir instead of the random tiny model")
-    learning = bench_sub.add_parser("learning", help="the default job per trainer seed x kernel variant, each from a "
+    learning = bench_sub.add_parser("learning", help="the default job per job seed x kernel variant, each from a "
                                     "cold model cache: base, final and lowest accuracy, wall time (resumable)")
     learning.add_argument("--json", action="store_true", help="print one JSON object")
-    learning.add_argument("--seeds", type=int, default=3, help="trainer seeds (and warm-start seeds) per kernel")
+    learning.add_argument("--seeds", type=int, default=3, help="job seeds (and warm-start seeds) per kernel")
     learning.add_argument("--kernels", default="native,avx2", help="kernel variants, comma-separated: native, avx2")
     learning.add_argument("--run-dir", type=Path, help="finished cells here are kept and not run again (default "
                           "~/.cache/jetroll/bench/learning)")

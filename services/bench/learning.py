@@ -1,4 +1,4 @@
-"""`jetroll bench learning`: the default job over a matrix of trainer seeds, warm-start seeds and CPU kernels.
+"""`jetroll bench learning`: the default job over a matrix of job seeds, warm-start seeds and CPU kernels.
 
 Each cell is README command 1 as a new user runs it: `jetroll run configs/arithmetic.yaml` in a subprocess, from a
 cold model cache of its own, so its wall time counts the base build. The `avx2` kernel variant runs the cell with
@@ -34,8 +34,8 @@ MIN_FINAL, MIN_RISE, MAX_DIP, MAX_WALL_S = 0.80, 0.25, 0.02, 20 * 60
 
 
 def cells(num_seeds: int, kernels: list[str]) -> list[dict[str, Any]]:
-    """Trainer seed x kernel; kernel k shifts the warm-start seeds by k, so each kernel builds other bases too."""
-    return [{"kernel": kernel, "trainer_seed": seed, "warm_start_seed": (seed + k) % num_seeds}
+    """Job seed x kernel; kernel k shifts the warm-start seeds by k, so each kernel builds other bases too."""
+    return [{"kernel": kernel, "seed": seed, "warm_start_seed": (seed + k) % num_seeds}
             for k, kernel in enumerate(kernels) for seed in range(num_seeds)]
 
 
@@ -51,7 +51,7 @@ def run_learning_bench(num_seeds: int = 3, kernels: str = "native,avx2", run_dir
     _claim(run_dir, extra)
     rows = []
     for cell in cells(num_seeds, names):
-        out = run_dir / f"{cell['kernel']}-t{cell['trainer_seed']}-w{cell['warm_start_seed']}"
+        out = run_dir / f"{cell['kernel']}-s{cell["seed"]}-w{cell['warm_start_seed']}"
         if not (out / "row.json").exists():
             run_cell(cell, out, extra)
         rows.append(json.loads((out / "row.json").read_text()))
@@ -77,7 +77,7 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     command = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
-               "--set", f"model.cache_dir={out / 'cache'}", "--set", f"trainer.seed={cell['trainer_seed']}",
+               "--set", f"model.cache_dir={out / 'cache'}", "--set", f"seed={cell['seed']}",
                "--set", f"model.warm_start.seed={cell['warm_start_seed']}",
                *(arg for item in overrides for arg in ("--set", item))]
     env = {**os.environ, **KERNELS[cell["kernel"]]}
@@ -131,11 +131,11 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="learning: the default job per cell (held-out greedy accuracy, 400 problems)")
-    for column in ("kernel", "trainer seed", "warm-start seed", "base", "final", "rise", "lowest", "warm-start steps",
+    for column in ("kernel", "seed", "warm-start seed", "base", "final", "rise", "lowest", "warm-start steps",
                    "base build s", "wall min", "pass"):
         table.add_column(column, justify="right")
     for r in result["rows"]:
-        table.add_row(r["kernel"], str(r["trainer_seed"]), str(r["warm_start_seed"]), f"{r['base']:.1%}",
+        table.add_row(r["kernel"], str(r["seed"]), str(r["warm_start_seed"]), f"{r['base']:.1%}",
                       f"{r['final']:.1%}", f"{r['rise'] * 100:+.1f}", f"{r['lowest']:.1%}", str(r["warm_start_steps"]),
                       f"{r['base_build_s']:.0f}", f"{r['wall_s'] / 60:.1f}", "yes" if r["passes"] else "NO")
     console = Console()

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.ledger import admission_order
 from shared.events import ScoredEvent
+from shared.ledger import admission_order
 
 
 @dataclass(slots=True)

@@ -136,14 +136,14 @@ def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
            "--set", "trainer.group_size=2", "--set", "rollout.compile=false"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
     rows = first["rows"]
-    assert [(r["kernel"], r["trainer_seed"], r["warm_start_seed"]) for r in rows] == [("native", 0, 0), ("avx2", 0, 0)]
+    assert [(r["kernel"], r["seed"], r["warm_start_seed"]) for r in rows] == [("native", 0, 0), ("avx2", 0, 0)]
     assert rows[1]["cpu_capability"] == "AVX2" and rows[0]["cpu_capability"] != ""
     for row in rows:
         assert row["steps"] == 2 and row["warm_start_steps"] == 4
         assert [step for step, _ in row["evals"]] == [0, 1, 2]
         assert row["lowest"] == min(a for _, a in row["evals"]) and row["rise"] == row["final"] - row["base"]
         assert row["wall_s"] > row["base_build_s"] > 0
-        assert (tmp_path / "bench" / f"{row['kernel']}-t0-w0" / "cache").is_dir()  # a cold cache per cell
+        assert (tmp_path / "bench" / f"{row['kernel']}-s0-w0" / "cache").is_dir()  # a cold cache per cell
     assert first["summary"]["min_final"] == min(r["final"] for r in rows)
     assert first["summary"]["min_rise"] == min(r["rise"] for r in rows)
     assert first["versions"]["torch"].startswith("2.13.0")

@@ -9,11 +9,11 @@ import torch
 
 from services.bench.async_model import Durations, bound, expected_max_s, simulate
 from services.controller.admission import Admission
-from shared.ledger import group_id
 from services.trainer.batch import GroupBuffer, collate
 from services.trainer.staleness import staleness_stats
 from shared.config import TimingEngineConfig
 from shared.events import Array, ScoredEvent, TrajectoryEvent
+from shared.ledger import group_id
 
 
 def trajectory(group: str, sample: int, v_tok: list[int], v_adm: int = 0, task: str = "arithmetic",
