@@ -51,7 +51,7 @@ def run_learning_bench(num_seeds: int = 3, kernels: str = "native,avx2", run_dir
     _claim(run_dir, extra)
     rows = []
     for cell in cells(num_seeds, names):
-        out = run_dir / f"{cell['kernel']}-s{cell["seed"]}-w{cell['warm_start_seed']}"
+        out = run_dir / f"{cell['kernel']}-s{cell['seed']}-w{cell['warm_start_seed']}"
         if not (out / "row.json").exists():
             run_cell(cell, out, extra)
         rows.append(json.loads((out / "row.json").read_text()))
