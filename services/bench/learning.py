@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench.versions import library_versions
+from services.bench.versions import jetroll_commit, library_versions
 from shared.config import ConfigError, load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
@@ -90,7 +90,7 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
     wall_s = time.perf_counter() - started
     if code != 0:
         raise RuntimeError(f"bench learning cell {out.name} failed (exit {code}); see {out / 'job.log'}")
-    row = read_cell(cell, out, wall_s) | {"cpu_capability": capability}
+    row = read_cell(cell, out, wall_s) | {"cpu_capability": capability, "commit": jetroll_commit()}
     (out / "row.json").write_text(json.dumps(row, indent=2))
     print(f"bench learning: {out.name}: {row['base']:.1%} -> {row['final']:.1%}, lowest {row['lowest']:.1%}, "
           f"{wall_s / 60:.1f} min", file=sys.stderr, flush=True)
@@ -123,7 +123,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"min_final": min(r["final"] for r in rows), "min_rise": min(r["rise"] for r in rows),
             "max_dip": max(r["dip"] for r in rows), "max_wall_s": max(r["wall_s"] for r in rows),
             "num_cells": len(rows), "num_passing": sum(r["passes"] for r in rows),
-            "all_pass": all(r["passes"] for r in rows)}
+            "all_pass": all(r["passes"] for r in rows),
+            "commits": sorted({str(r["commit"]) for r in rows})}  # one commit: the matrix is one measurement
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+from pathlib import Path
 from typing import Any
 
 LIBRARIES = ("torch", "numpy", "msgspec", "redis", "pydantic", "safetensors", "transformers", "celery", "aioboto3",
@@ -25,8 +26,22 @@ def library_versions() -> dict[str, Any]:
     versions["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
     versions["cpu_count"] = os.cpu_count()
     versions["redis_server"] = _redis_server_version()
+    versions["jetroll_commit"] = jetroll_commit()
     versions["kernel_env"] = {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}
     return versions
+
+
+def jetroll_commit() -> str | None:
+    """The git commit of the jetroll checkout running, with `+dirty` for uncommitted changes; None outside git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (FileNotFoundError, OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
 
 
 def _redis_server_version() -> str | None:

@@ -147,6 +147,7 @@ def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
     assert first["summary"]["min_final"] == min(r["final"] for r in rows)
     assert first["summary"]["min_rise"] == min(r["rise"] for r in rows)
     assert first["versions"]["torch"].startswith("2.13.0")
+    assert first["summary"]["commits"] == sorted({str(r["commit"]) for r in rows})
     again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
     assert again["rows"] == rows
     other = subprocess.run([*cmd, "--set", "trainer.lr=0.5"], capture_output=True, text=True, timeout=300)
