@@ -84,13 +84,14 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
     capability = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                                 env=env, capture_output=True, text=True, check=True).stdout.strip()
     print(f"bench learning: {out.name} ...", file=sys.stderr, flush=True)
+    commit = jetroll_commit()  # the code the cell's job starts with
     started = time.perf_counter()
     with open(out / "job.log", "wb") as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     wall_s = time.perf_counter() - started
     if code != 0:
         raise RuntimeError(f"bench learning cell {out.name} failed (exit {code}); see {out / 'job.log'}")
-    row = read_cell(cell, out, wall_s) | {"cpu_capability": capability, "commit": jetroll_commit()}
+    row = read_cell(cell, out, wall_s) | {"cpu_capability": capability, "commit": commit}
     (out / "row.json").write_text(json.dumps(row, indent=2))
     print(f"bench learning: {out.name}: {row['base']:.1%} -> {row['final']:.1%}, lowest {row['lowest']:.1%}, "
           f"{wall_s / 60:.1f} min", file=sys.stderr, flush=True)
