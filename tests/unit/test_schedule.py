@@ -35,7 +35,7 @@ def test_hold_keeps_the_peak_then_decays_over_the_rest() -> None:
 
 
 def test_sft_schedule_is_the_warm_start_one() -> None:
-    """5% linear warmup, then cosine to 10% of the peak: the values the cached base models were built with."""
+    """5% linear warmup, then cosine to 10% of the peak, over the warm start's max_steps."""
     assert sft_lr(0, 5250, 2e-3) == 2e-3 / 262
     assert sft_lr(261, 5250, 2e-3) == 2e-3
     assert sft_lr(262, 5250, 2e-3) == 2e-3 * (0.1 + 0.45 * 2)
