@@ -81,15 +81,21 @@ class RewardRouter:
         self._metrics_at = time.monotonic()
         self._metrics_scored = 0
         self._forgot_at = time.monotonic()
+        self.is_running = True
+
+    def stop(self) -> None:
+        """End `run` after its current read: a cancel can be lost inside redis-py's blocking read on Python 3.11."""
+        self.is_running = False
 
     async def run(self) -> None:
-        """Score trajectories until cancelled; an exception (e.g. Redis gone) propagates, leaving entries unacked."""
+        """Score trajectories until stopped or cancelled; an exception (e.g. Redis gone) propagates, leaving entries
+        unacked."""
         await self.bus.ensure_group(RAW_STREAM, GROUP)
         in_flight: set[asyncio.Task[None]] = set()
         keep_claimed_s = self.bus.claim_idle_ms / 3000
         kept_at = time.monotonic()
         try:
-            while True:
+            while self.is_running:
                 free = self.max_in_flight - len(in_flight)
                 if free >= READ_AHEAD // 2:
                     block_ms = 50 if in_flight else self.block_ms

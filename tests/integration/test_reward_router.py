@@ -96,8 +96,10 @@ async def route(
             assert not runner.done(), runner.exception()
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # would a duplicate be published late?
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
+        router.stop()
+        stopped, _ = await asyncio.wait({runner}, timeout=30)
+        assert stopped, "the router did not stop after its current read"
+        runner.result()
         _, scored = await bus.tail(SCORED_STREAM, block_ms=0)
         pending = (await bus.redis.xpending(bus.key(RAW_STREAM), GROUP))["pending"]
         _, metrics = await bus.tail("metrics", block_ms=0)
