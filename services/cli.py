@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -146,7 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def use_inductor_cache_of_this_cpu() -> None:
+    """A process with ATEN_CPU_CAPABILITY set gets inductor's on-disk cache of that capability (unless
+    TORCHINDUCTOR_CACHE_DIR is set): the cache key misses the capability, so an AVX2 process reused the compiled
+    decode kernels of an AVX512 one and sampled garbage (a reward of 0.5% where the uncompiled decode got 45%)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability:
+        default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default / capability.lower()))
+
+
 def main(argv: list[str] | None = None) -> int:
+    use_inductor_cache_of_this_cpu()  # before anything imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",

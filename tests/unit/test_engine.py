@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -203,3 +205,19 @@ def test_compiled_decode_matches_eager_across_batch_sizes_and_joins() -> None:
     for got, want in zip(*runs, strict=True):
         assert got.output_ids == want.output_ids
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+
+
+def test_an_avx2_process_gets_an_inductor_cache_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's cache key misses ATEN_CPU_CAPABILITY: an AVX2 process reusing AVX512 kernels decoded garbage."""
+    from services.cli import use_inductor_cache_of_this_cpu
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    use_inductor_cache_of_this_cpu()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the native capability keeps torch's default
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    use_inductor_cache_of_this_cpu()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("/avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    use_inductor_cache_of_this_cpu()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"  # a user's choice wins
