@@ -1,9 +1,10 @@
 """`jetroll bench learning`: the default job over a matrix of job seeds, warm-start seeds and CPU kernels.
 
-Each cell is README command 1 as a new user runs it: `jetroll run configs/arithmetic.yaml` in a subprocess, from a
-cold model cache of its own, so its wall time counts the base build. The `avx2` kernel variant runs the cell with
-ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS set to AVX2: other float kernels, so other bits,
-a stand-in for another machine. Warm-start seeds are spread over the cells so that several bases are covered.
+Each cell is README command 1 as a new user runs it: `jetroll run configs/arithmetic.yaml` in a subprocess, from
+cold model and inductor caches of its own, so its wall time counts the base build and the compiles. The `avx2`
+kernel variant runs the cell with ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS set to AVX2:
+other float kernels, so other bits, a stand-in for another machine. Warm-start seeds are spread over the cells so
+that several bases are covered.
 
 A finished cell leaves `row.json` and is not run again, so the bench resumes across sessions; a cell that was
 interrupted starts over from an empty directory (only uninterrupted runs count for time).
@@ -73,14 +74,15 @@ def _claim(run_dir: Path, overrides: list[str]) -> None:
 
 
 def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
-    """One cell from an empty directory: its own cold model cache, its kernel variables, the whole job timed."""
+    """One cell from an empty directory: its own cold model and inductor caches, its kernel variables, the whole job
+    timed."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     command = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
                "--set", f"model.cache_dir={out / 'cache'}", "--set", f"seed={cell['seed']}",
                "--set", f"model.warm_start.seed={cell['warm_start_seed']}",
                *(arg for item in overrides for arg in ("--set", item))]
-    env = {**os.environ, **KERNELS[cell["kernel"]]}
+    env = {**os.environ, **KERNELS[cell["kernel"]], "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor")}
     capability = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                                 env=env, capture_output=True, text=True, check=True).stdout.strip()
     print(f"bench learning: {out.name} ...", file=sys.stderr, flush=True)
