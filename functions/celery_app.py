@@ -1,6 +1,6 @@
 """Celery runner: the task `jetroll.reward` runs any registered reward by name, JSON in and JSON out.
 
-Run a worker with `celery -A functions.celery_app worker --pool=prefork -Q jetroll.reward`. It reads
+Run a worker with `celery -A jetroll.functions.celery_app worker --pool=prefork -Q jetroll.reward`. It reads
 JETROLL_CELERY_BROKER_URL, JETROLL_CELERY_QUEUE, JETROLL_CELERY_SOFT_TIME_LIMIT_S, JETROLL_CELERY_HARD_TIME_LIMIT_S,
 JETROLL_CELERY_VISIBILITY_TIMEOUT_S and JETROLL_REWARD_MODULES; the router sends its own time limits with each call.
 
@@ -20,7 +20,7 @@ import redis
 from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
-from functions.runner import call_reward, import_reward_modules
+from jetroll.functions.runner import call_reward, import_reward_modules
 
 TASK_NAME = "jetroll.reward"
 DEFAULT_QUEUE = "jetroll.reward"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from functions.runner import call_reward, import_reward_modules
+from jetroll.functions.runner import call_reward, import_reward_modules
 
 import_reward_modules()
 

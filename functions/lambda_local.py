@@ -9,7 +9,7 @@ a spawned process that serves one invocation at a time, as Lambda's do. Answers 
 - 404 ResourceNotFoundException for an unknown function.
 `GET /_local/stats` returns handler runs per function and traj_id, and throttles per function.
 
-Run it with `python -m functions.lambda_local --port 9001`; it prints {"url": ...} on its first stdout line.
+Run it with `python -m jetroll.functions.lambda_local --port 9001`; it prints {"url": ...} on its first stdout line.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 from urllib.parse import unquote
 
-from functions.runner import MODULES_ENV
+from jetroll.functions.runner import MODULES_ENV
 
 DEFAULT_FUNCTION = "jetroll-reward"
-DEFAULT_HANDLER = "functions.lambda_handler.handler"
+DEFAULT_HANDLER = "jetroll.functions.lambda_handler.handler"
 INIT_TIMEOUT_S = 10.0  # Lambda's init phase limit
 _INVOKE_PATH = re.compile(r"^/2015-03-31/functions/([^/]+)/invocations$")
 _CTX = mp.get_context("spawn")

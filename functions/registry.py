@@ -1,11 +1,14 @@
-"""Reward registry: a reward is a pure `(completion, answer) -> RewardOutput` function added with @reward."""
+"""Reward registry: a reward is a pure `(completion, answer) -> RewardOutput` function added with @reward.
+
+A leaf: reward modules (the built-in ones and users') import it. Look rewards up with
+`jetroll.functions.runner.get_reward`, which loads the built-ins first."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["REWARDS", "RewardFn", "RewardOutput", "get_reward", "reward"]
+__all__ = ["REWARDS", "RewardFn", "RewardOutput", "reward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +42,3 @@ def reward(name: str) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return register
-
-
-def get_reward(name: str) -> RewardFn:
-    """The reward function called `name`; ValueError listing the valid names otherwise."""
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; valid: {sorted(REWARDS)}") from None
-
-
-# The built-in rewards register themselves on import; imported last because they import this module.
-import functions.rewards  # noqa: E402, F401

@@ -1,4 +1,4 @@
-# The reward functions (one per reward, all running functions.lambda_handler.handler) and job_trigger, from the
+# The reward functions (one per reward, all running jetroll.functions.lambda_handler.handler) and job_trigger, from the
 # zips scripts/build_lambda_zips.py builds. All in the private subnets, traced, with reserved concurrency, a
 # dead-letter queue for asynchronous invocations, KMS-encrypted environment and code-signing validation.
 
@@ -38,7 +38,7 @@ resource "aws_lambda_function" "reward" {
   description                    = "jetroll reward ${each.key} (event: reward, completion, answer, traj_id)"
   role                           = aws_iam_role.reward_lambda.arn
   runtime                        = var.lambda_runtime
-  handler                        = "functions.lambda_handler.handler"
+  handler                        = "jetroll.functions.lambda_handler.handler"
   filename                       = var.rewards_zip
   source_code_hash               = filebase64sha256(var.rewards_zip)
   timeout                        = var.reward_timeout_s
@@ -82,7 +82,7 @@ resource "aws_lambda_function" "job_trigger" {
   description                    = "S3 jobs/ object created (EventBridge) -> batch:SubmitJob"
   role                           = aws_iam_role.job_trigger.arn
   runtime                        = var.lambda_runtime
-  handler                        = "functions.job_trigger.handler"
+  handler                        = "jetroll.functions.job_trigger.handler"
   filename                       = var.job_trigger_zip
   source_code_hash               = filebase64sha256(var.job_trigger_zip)
   timeout                        = var.job_trigger_timeout_s

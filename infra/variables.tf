@@ -136,7 +136,7 @@ variable "job_trigger_zip" {
 }
 
 variable "reward_names" {
-  description = "Rewards deployed as one Lambda function each (functions/rewards.py); the handler runs event.reward."
+  description = "Rewards deployed as one Lambda function each (functions/builtin.py); the handler runs event.reward."
   type        = set(string)
   default     = ["arithmetic", "calculator", "count", "math", "code", "exact_match", "token_f1", "format", "length"]
 }

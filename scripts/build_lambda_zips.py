@@ -1,8 +1,8 @@
 """Build the Lambda packages infra/lambda.tf deploys, as deterministic zips (fixed timestamps and modes, sorted):
 
-- rewards.zip: functions.lambda_handler and the reward modules it imports (no shared/, no torch), plus the
+- rewards.zip: jetroll.functions.lambda_handler and the reward modules it imports (no shared/, no torch), plus the
   third-party packages the rewards import (msgspec; math-verify and its sympy stack for the math reward);
-- job_trigger.zip: functions.job_trigger (boto3 comes with the Lambda Python runtime).
+- job_trigger.zip: jetroll.functions.job_trigger (boto3 comes with the Lambda Python runtime).
 
 Third-party code comes from this interpreter's installed distributions (--deps venv, offline: run it with the
 Python of the Lambda runtime, CPython 3.11 on Linux x86_64), or from PyPI wheels for that platform (--deps pip).
@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-# functions.lambda_handler's import closure; celery_app (celery, redis) and lambda_local (a dev server) stay out.
+# jetroll.functions.lambda_handler's import closure; celery_app (celery, redis) and lambda_local (a dev server) stay out.
 REWARD_MODULES = ("__init__", "lambda_handler", "runner", "registry", "rewards", "sandbox")
 REWARD_REQUIREMENTS = ("msgspec", "math-verify")  # rewards.py imports msgspec, and math_verify inside math_reward
 JOB_TRIGGER_MODULES = ("__init__", "job_trigger")

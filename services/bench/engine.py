@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from shared.config import PrecisionConfig
-from shared.model import CausalLM, ModelArgs, load_state, save_pretrained
-from shared.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model.model import CausalLM, ModelArgs, load_state, save_pretrained
+from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 SEED = 0
 
@@ -59,7 +59,7 @@ def _engine_runner(
     model: CausalLM, prompts: torch.Tensor, new_tokens: int, eos_id: int, compile: bool
 ) -> tuple[Callable[[], None], float]:
     """The timed run, and the engine's compile time (paid once at construction, outside the runs)."""
-    from services.rollout.engine import Engine, Request
+    from jetroll.services.rollout.engine import Engine, Request
 
     bsz, prompt_len = prompts.shape
     engine = Engine(model, eos_id=eos_id, max_batch=bsz, max_len=prompt_len + new_tokens, seed=SEED, compile=compile)

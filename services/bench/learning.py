@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench.versions import jetroll_commit, library_versions
-from shared.config import ConfigError, load_config
+from jetroll.services.bench.versions import jetroll_commit, library_versions
+from jetroll.shared.config import ConfigError, load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/learning")
@@ -78,7 +78,7 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
     timed."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    command = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
+    command = [sys.executable, "-m", "jetroll.services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
                "--set", f"model.cache_dir={out / 'cache'}", "--set", f"seed={cell['seed']}",
                "--set", f"model.warm_start.seed={cell['warm_start_seed']}",
                *(arg for item in overrides for arg in ("--set", item))]

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from services.rollout.engine import Engine, Request
-from services.trainer.mismatch import mismatch_stats
-from services.trainer.trainer import proximal_pass
-from shared import exact
-from shared.config import PrecisionConfig
-from shared.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
-from shared.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.trainer.trainer import proximal_pass
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model import exact
+from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from jetroll.shared.rl.mismatch import mismatch_stats
 
 MODES = ("bf16", "fp8_unified", "fp8_rollout_only")
 METRICS = ("abs_mean", "abs_max", "k3", "exp_abs_mean", "seq_delta_abs_mean", "tis_clip_frac")

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench.async_ import launch_job
-from services.init_model import ensure_base_model
-from services.redis_server import RedisServer
-from shared.config import ConfigError, load_config
+from jetroll.services.bench.async_ import launch_job
+from jetroll.services.launch.redis_server import RedisServer
+from jetroll.services.trainer.warm_start import ensure_base_model
+from jetroll.shared.config import ConfigError, load_config
 
 log = logging.getLogger("jetroll.bench.precision")
 

@@ -20,17 +20,18 @@ import uuid
 from contextlib import AsyncExitStack, ExitStack
 from typing import Any
 
-from services.redis_server import RedisServer
-from services.reward.backend import BACKENDS, RewardBackend, RewardCall, setup_backend
-from shared.config import RewardConfig
+from jetroll.services.launch.redis_server import RedisServer
+from jetroll.services.reward.backends import BACKENDS, setup_backend
+from jetroll.services.reward.backends.base import RewardBackend, RewardCall
+from jetroll.shared.config import RewardConfig
 
 REWARD, COMPLETION, ANSWER = "arithmetic", "579", "579"
 DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}  # the local endpoint ignores them
 
 
 def _start_lambda_endpoint(workers: int, timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m functions.lambda_local` on a free port; returns the process and its URL."""
-    process = subprocess.Popen([sys.executable, "-m", "functions.lambda_local", "--port", "0",
+    """`python -m jetroll.functions.lambda_local` on a free port; returns the process and its URL."""
+    process = subprocess.Popen([sys.executable, "-m", "jetroll.functions.lambda_local", "--port", "0",
                                 "--concurrency", str(workers), "--timeout-s", str(timeout_s)],
                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert process.stdout is not None
@@ -109,7 +110,7 @@ def run_reward_bench(
     with ExitStack() as stack:
         redis_server = stack.enter_context(RedisServer())
         if "celery" in backends:
-            from services.reward.celery_worker import CeleryWorker
+            from jetroll.services.reward.celery_worker import CeleryWorker
 
             stack.enter_context(CeleryWorker(config, redis_server.url))
         if "lambda" in backends:
@@ -128,7 +129,7 @@ def run_reward_bench(
             "calls_per_level": num_calls,
             "concurrency": list(concurrency),
             "executors": "local: pool processes; celery: prefork children; lambda: environments of the local "
-                         "Invoke endpoint (functions.lambda_local); each backend's in-flight limit = workers",
+                         "Invoke endpoint (jetroll.functions.lambda_local); each backend's in-flight limit = workers",
             "latency": "RewardBackend.score() as the router calls it; warm executors",
             "cpu": platform.processor() or platform.machine(),
             "num_cpus": os.cpu_count(),

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from shared.config import StoreConfig, load_config
-from shared.store import CHUNK_BYTES, LocalWeightStore, S3WeightStore
+from jetroll.shared.config import StoreConfig, load_config
+from jetroll.shared.store import CHUNK_BYTES, LocalWeightStore, S3WeightStore
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "arithmetic.yaml"
@@ -42,9 +42,9 @@ SEED = 0
 
 def default_checkpoint(directory: Path) -> Path:
     """The default job's tiny model (configs/arithmetic.yaml), randomly initialised, as an HF-format dir."""
-    from services.init_model import init_weights, model_args
-    from shared.model import CausalLM, save_pretrained
-    from shared.tokenizer import build_char_tokenizer
+    from jetroll.services.trainer.warm_start import init_weights, model_args
+    from jetroll.shared.model.model import CausalLM, save_pretrained
+    from jetroll.shared.model.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(SEED)

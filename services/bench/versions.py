@@ -45,7 +45,7 @@ def jetroll_commit() -> str | None:
 
 
 def _redis_server_version() -> str | None:
-    from services.redis_server import find_redis_server
+    from jetroll.services.launch.redis_server import find_redis_server
 
     try:
         out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True, timeout=10).stdout

@@ -9,19 +9,19 @@ import random
 import time
 from pathlib import Path
 
-from services.controller.admission import Admission, in_flight_caps
-from services.controller.progress import MetricsBook, ProgressView, plot_curves
-from services.controller.routing import route_tasks
-from services.evaluate import evaluate
-from shared.bus import RedisBus
-from shared.config import JobConfig
-from shared.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
-from shared.ledger import IN_FLIGHT, Ledger, LedgerTotals, group_id
-from shared.model import load_pretrained
-from shared.seeds import derive_seed
-from shared.store import WeightStore, WeightStoreError
-from shared.tasks import get_task
-from shared.tokenizer import load_tokenizer
+from jetroll.services.controller.progress import MetricsBook, ProgressView, plot_curves
+from jetroll.services.controller.routing import route_tasks
+from jetroll.services.rollout.evaluate import evaluate
+from jetroll.shared.config import JobConfig
+from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.tokenizer import load_tokenizer
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
+from jetroll.shared.protocol.ledger import IN_FLIGHT, Ledger, LedgerTotals, group_id
+from jetroll.shared.rl.admission import Admission, in_flight_caps
+from jetroll.shared.seeds import derive_seed
+from jetroll.shared.store import WeightStore, WeightStoreError
+from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.controller")
 

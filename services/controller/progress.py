@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from shared.events import MetricsEvent
+from jetroll.shared.protocol.events import MetricsEvent
 
 
 class MetricsBook:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from shared.config import RolloutConfig
-from shared.tasks import get_task
-from shared.tokenizer import Tokenizer
+from jetroll.shared.config import RolloutConfig
+from jetroll.shared.model.tokenizer import Tokenizer
+from jetroll.shared.tasks.registry import get_task
 
 PROFILE_SAMPLES = 32
 

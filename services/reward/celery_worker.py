@@ -1,4 +1,4 @@
-"""A local `celery -A functions.celery_app worker --pool=prefork` process, configured from the reward config.
+"""A local `celery -A jetroll.functions.celery_app worker --pool=prefork` process, configured from the reward config.
 
 The launcher starts one for a job whose tasks use celery; the bench and the tests use `CeleryWorker`.
 """
@@ -15,12 +15,12 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-from functions.celery_app import make_app
-from shared.config import RewardConfig
+from jetroll.functions.celery_app import make_app
+from jetroll.shared.config import RewardConfig
 
 
 def worker_env(config: RewardConfig, broker_url: str) -> dict[str, str]:
-    """The environment `functions.celery_app` reads (besides the inherited one)."""
+    """The environment `jetroll.functions.celery_app` reads (besides the inherited one)."""
     return {
         "JETROLL_CELERY_BROKER_URL": broker_url,
         "JETROLL_CELERY_QUEUE": config.celery_queue,
@@ -33,7 +33,7 @@ def worker_env(config: RewardConfig, broker_url: str) -> dict[str, str]:
 
 def worker_command(config: RewardConfig, node: str) -> list[str]:
     # gossip, mingle and heartbeats only chat between workers; remote control (ping) stays on
-    return [sys.executable, "-m", "celery", "-A", "functions.celery_app", "worker", "--pool=prefork",
+    return [sys.executable, "-m", "celery", "-A", "jetroll.functions.celery_app", "worker", "--pool=prefork",
             f"--concurrency={config.celery_concurrency}", "-Q", config.celery_queue, "-n", node, "--loglevel=INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat"]
 

@@ -6,11 +6,11 @@ from contextlib import AsyncExitStack
 
 import numpy as np
 
-from services.reward.backend import backends_in_use, setup_backend
-from services.reward.router import RewardRouter
-from shared.bus import RedisBus
-from shared.config import JobConfig
-from shared.tokenizer import load_tokenizer
+from jetroll.services.reward.backends import backends_in_use, setup_backend
+from jetroll.services.reward.router import RewardRouter
+from jetroll.shared.config import JobConfig
+from jetroll.shared.model.tokenizer import load_tokenizer
+from jetroll.shared.protocol.bus import RedisBus
 
 
 async def run(config: JobConfig, redis_url: str, model_dir: str, consumer: str) -> None:

@@ -7,16 +7,16 @@ Requests and replies are plain dicts of strings and numbers; reward functions ar
 from __future__ import annotations
 
 import asyncio
-import importlib
-import math
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
-from functions.registry import RewardOutput
+from jetroll.functions.registry import RewardOutput
+from jetroll.functions.runner import call_reward, import_reward_modules
 
 PoolStatus = Literal["ok", "timeout", "error"]
 
@@ -24,13 +24,8 @@ _CTX = mp.get_context("spawn")
 
 
 def _worker_main(conn: Connection, modules: Sequence[str]) -> None:
-    """Worker loop: import the registry (and extra reward modules), then answer requests until None/EOF."""
-    import os
-
-    from functions.registry import RewardOutput, get_reward
-
-    for module in modules:
-        importlib.import_module(module)
+    """Worker loop: import the extra reward modules, then answer requests until None/EOF."""
+    import_reward_modules(",".join(modules))
     conn.send({"ready": os.getpid()})
     while True:
         try:
@@ -40,14 +35,7 @@ def _worker_main(conn: Connection, modules: Sequence[str]) -> None:
         if request is None:
             return
         try:
-            out = get_reward(request["reward"])(request["completion"], request["answer"])
-            if not isinstance(out, RewardOutput):
-                kind = type(out).__name__
-                raise TypeError(f"reward {request['reward']!r} returned {kind}, not RewardOutput")
-            if not math.isfinite(out.reward):
-                raise ValueError(f"reward {request['reward']!r} returned a non-finite reward {out.reward}")
-            reply: dict[str, Any] = {"ok": True, "reward": float(out.reward), "correct": bool(out.correct),
-                                     "details": str(out.details)}
+            reply: dict[str, Any] = {"ok": True, **call_reward(request)}
         except Exception as exc:  # a failing reward is a status, and the worker lives on
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         conn.send(reply)
@@ -102,8 +90,7 @@ class RewardPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        for module in modules:
-            importlib.import_module(module)  # fail here, not in every worker
+        import_reward_modules(",".join(modules))  # fail here, not in every worker
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from services.reward.backend import RewardBackend, RewardCall
-from shared.bus import Delivery, RedisBus
-from shared.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent, encode
-from shared.ledger import Ledger
-from shared.tasks import get_task
+from jetroll.services.reward.backends.base import RewardBackend, RewardCall
+from jetroll.shared.protocol.bus import Delivery, RedisBus
+from jetroll.shared.protocol.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent, encode
+from jetroll.shared.protocol.ledger import Ledger
+from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared import exact
-from shared.model import CausalLM, KVCache, load_state
-from shared.precision import PACKED_MIN_ROWS
-from shared.seeds import derive_seed, uniforms
+from jetroll.shared.model import exact
+from jetroll.shared.model.model import CausalLM, KVCache, load_state
+from jetroll.shared.model.precision import PACKED_MIN_ROWS
+from jetroll.shared.seeds import derive_seed, uniforms
 
 RECOMPUTE_TOKENS = 8192  # padded tokens per batched KV-recompute forward on a weight swap (bounds its memory)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.rollout.engine import Request
-from shared.config import TimingEngineConfig
-from shared.tokenizer import SPECIAL_TOKENS
+from jetroll.services.rollout.engine import Request
+from jetroll.shared.config import TimingEngineConfig
+from jetroll.shared.model.tokenizer import SPECIAL_TOKENS
 
 MAX_CHUNKS_PER_STEP = 8  # a step sleeps at most this long, so the worker swaps weights and refills slots promptly
 

@@ -1,4 +1,4 @@
-"""Multi-turn episodes beside the engine (the environment API is `shared/env.py`).
+"""Multi-turn episodes beside the engine (the environment API is `shared/tasks/env.py`).
 
 Each multi-turn sequence has its own environment: reset before its prompt is prefilled, stepped on every model
 turn (and on the final one, which ends with EOS). Every call is an asyncio task under `timeout_s` with
@@ -13,10 +13,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from services.rollout.engine import Engine, Request
-from shared.env import Environment, EnvOutcome, EnvStep, call_env
-from shared.tasks import Problem
-from shared.tokenizer import Tokenizer
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.shared.model.tokenizer import Tokenizer
+from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, call_env
 
 log = logging.getLogger("jetroll.rollout")
 

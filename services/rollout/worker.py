@@ -17,18 +17,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.rollout.engine import Engine, Request
-from services.rollout.timing_engine import TimingEngine
-from services.rollout.turns import TurnRunner
-from shared.bus import RedisBus
-from shared.config import JobConfig
-from shared.env import is_multi_turn
-from shared.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
-from shared.ledger import IN_FLIGHT
-from shared.model import load_pretrained
-from shared.store import WeightStore, WeightStoreError
-from shared.tasks import Problem, get_task
-from shared.tokenizer import Tokenizer, load_tokenizer
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.rollout.timing_engine import TimingEngine
+from jetroll.services.rollout.turns import TurnRunner
+from jetroll.shared.config import JobConfig
+from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
+from jetroll.shared.protocol.ledger import IN_FLIGHT
+from jetroll.shared.store import WeightStore, WeightStoreError
+from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.env import is_multi_turn
+from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.rollout")
 

@@ -13,20 +13,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.controller.admission import task_quotas
-from services.trainer.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
-from services.trainer.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
-from services.trainer.mismatch import mismatch_stats
-from services.trainer.staleness import staleness_stats
-from shared.bus import RedisBus
-from shared.config import JobConfig
-from shared.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent
-from shared.ledger import IN_FLIGHT, Ledger, Outcome
-from shared.model import CausalLM, load_pretrained, load_state, save_pretrained
-from shared.precision import published_dtype
-from shared.schedule import cosine_lr
-from shared.store import Manifest, WeightStore
-from shared.tasks import get_task
+from jetroll.shared.config import JobConfig
+from jetroll.shared.model.model import CausalLM, load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.precision import published_dtype
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent
+from jetroll.shared.protocol.ledger import IN_FLIGHT, Ledger, Outcome
+from jetroll.shared.rl.admission import task_quotas
+from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
+from jetroll.shared.rl.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
+from jetroll.shared.rl.mismatch import mismatch_stats
+from jetroll.shared.rl.schedule import cosine_lr
+from jetroll.shared.rl.staleness import staleness_stats
+from jetroll.shared.store import Manifest, WeightStore
+from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.trainer")
 

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
+from helpers import JETROLL
 
-from services.cli import build_parser
-from shared.config import load_config
+from jetroll.services.cli import build_parser
+from jetroll.shared.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -71,7 +72,7 @@ def test_every_jetroll_service_runs_a_real_jetroll_command(built: dict[str, dict
                                                            dockerfile: DockerfileParser) -> None:
     assert json.loads(instructions(dockerfile, "ENTRYPOINT")[-1]) == ["jetroll"]
     assert set(built) >= {"controller", "rollout", "reward", "celery-worker", "trainer"}
-    jetroll = [str(BIN / "jetroll")] if (BIN / "jetroll").exists() else [sys.executable, "-m", "services.cli"]
+    jetroll = [str(BIN / "jetroll")] if (BIN / "jetroll").exists() else JETROLL
     for name, svc in built.items():
         assert "entrypoint" not in svc, f"{name} must keep the image's ENTRYPOINT jetroll"
         command = svc["command"]
@@ -89,7 +90,7 @@ def test_watch_services_write_the_heartbeat_their_healthcheck_reads(built: dict[
         path = svc["environment"]["JETROLL_HEARTBEAT_FILE"]
         assert path in test and "--watch" in svc["command"], name
     celery = built["celery-worker"]
-    assert "functions.celery_app" in " ".join(celery["healthcheck"]["test"])
+    assert "jetroll.functions.celery_app" in " ".join(celery["healthcheck"]["test"])
     assert celery["environment"]["JETROLL_CELERY_BROKER_URL"] == celery["environment"]["JETROLL_REDIS_URL"]
 
 

@@ -1,5 +1,5 @@
-"""functions.job_trigger against moto's Batch (in-process, no Docker): an S3 "Object Created" EventBridge event for
-a jobs/ file submits exactly one job with job_uri = s3://bucket/key; anything else submits nothing."""
+"""functions/job_trigger.py against moto's Batch (in-process, no Docker): an S3 "Object Created" EventBridge event
+for a jobs/ file submits exactly one job with job_uri = s3://bucket/key; anything else submits nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from functions import job_trigger
+from jetroll.functions import job_trigger
 
 REGION = "us-east-1"
 ACCOUNT = "123456789012"

@@ -17,8 +17,8 @@ from typing import Any
 import hcl2
 import pytest
 
-from functions.registry import REWARDS
-from shared.config import RewardConfig
+from jetroll.functions.registry import REWARDS
+from jetroll.shared.config import RewardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -231,7 +231,7 @@ def test_lambda_timeouts_stay_below_the_routers_read_timeout() -> None:
 
 def test_one_reward_function_per_registered_reward() -> None:
     reward = _resources("aws_lambda_function")["reward"]
-    assert reward["handler"] == "functions.lambda_handler.handler"
+    assert reward["handler"] == "jetroll.functions.lambda_handler.handler"
     assert reward["for_each"] == "${var.reward_names}"
     assert set(_hcl()["variable"]["reward_names"]["default"]) == set(REWARDS)
     for body in _resources("aws_lambda_function").values():
@@ -344,7 +344,7 @@ ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 REWARDS_PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from functions.lambda_handler import handler
+from jetroll.functions.lambda_handler import handler
 import functions
 calls = [
     {"reward": "arithmetic", "completion": "42", "answer": "42"},
@@ -358,7 +358,7 @@ print(json.dumps({"file": functions.__file__, "torch": "torch" in sys.modules,
 JOB_TRIGGER_PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from functions import job_trigger
+from jetroll.functions import job_trigger
 event = {"source": "aws.s3", "detail-type": "Object Created",
          "detail": {"bucket": {"name": "b"}, "object": {"key": "weights/x.bin"}}}
 print(json.dumps({"file": job_trigger.__file__, "result": job_trigger.handler(event, None)}))

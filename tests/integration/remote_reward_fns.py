@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from functions.registry import RewardOutput, reward
+from jetroll.functions.registry import RewardOutput, reward
 
 
 @reward("test_pid_sleep")

@@ -13,11 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from services.reward.backend import RewardBackend
-from services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, RewardRouter
-from shared.bus import RedisBus
-from shared.events import Array, ScoredEvent, TrajectoryEvent
-from shared.tasks import TASKS, Problem, register_task
+from jetroll.services.reward.backends.base import RewardBackend
+from jetroll.services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, RewardRouter
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.registry import TASKS, register_task
 
 TESTS = Path(__file__).resolve().parents[1]
 REWARD_MODULES = ("reward_test_fns", "remote_reward_fns")

@@ -15,9 +15,9 @@ import redis
 from test_job import hold_streams
 from test_staleness import TINY, build_model
 
-from services.bench.async_ import launch_job, read_ledger
-from shared.bus import FIELD
-from shared.events import GroupEvent, TrajectoryEvent, decode
+from jetroll.services.bench.async_ import launch_job, read_ledger
+from jetroll.shared.protocol.bus import FIELD
+from jetroll.shared.protocol.events import GroupEvent, TrajectoryEvent, decode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import JETROLL
 
 
 @pytest.mark.integration
 def test_bench_engine_json_smoke() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "engine", "--json", "--batch-sizes", "1,2",
+        [*JETROLL, "bench", "engine", "--json", "--batch-sizes", "1,2",
          "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-compile"],
         capture_output=True, text=True, timeout=300, check=True,
     )
@@ -32,7 +32,7 @@ def test_bench_engine_json_smoke() -> None:
 @pytest.mark.integration
 def test_bench_store_json_smoke() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "store", "--json", "--synthetic-mb", "2", "--repeats", "1"],
+        [*JETROLL, "bench", "store", "--json", "--synthetic-mb", "2", "--repeats", "1"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -49,7 +49,7 @@ def test_bench_store_json_smoke() -> None:
 @pytest.mark.integration
 def test_bench_reward_json_smoke() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "reward", "--json", "--calls", "8", "--concurrency", "1,2",
+        [*JETROLL, "bench", "reward", "--json", "--calls", "8", "--concurrency", "1,2",
          "--workers", "1"],
         capture_output=True, text=True, timeout=300, check=True,
     )
@@ -64,7 +64,7 @@ def test_bench_reward_json_smoke() -> None:
 @pytest.mark.integration
 def test_bench_mismatch_json_smoke() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "mismatch", "--json", "--lengths", "8,16", "--samples", "2"],
+        [*JETROLL, "bench", "mismatch", "--json", "--lengths", "8,16", "--samples", "2"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -82,7 +82,7 @@ def test_bench_mismatch_json_smoke() -> None:
 
 @pytest.mark.integration
 def test_bench_async_quick_json_smoke() -> None:
-    out = subprocess.run([sys.executable, "-m", "services.cli", "bench", "async", "--json", "--quick"],
+    out = subprocess.run([*JETROLL, "bench", "async", "--json", "--quick"],
                          capture_output=True, text=True, timeout=600, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert [(row["mode"], row["eta"]) for row in result["rows"]] == [("sync", 0), ("async", 2)]
@@ -101,7 +101,7 @@ def test_bench_async_quick_json_smoke() -> None:
 @pytest.mark.slow
 def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
     """One step per arm on a 1-layer model built in tmp; a second call resumes from the saved runs."""
-    cmd = [sys.executable, "-m", "services.cli", "bench", "precision", "--json", "--seeds", "1", "--max-steps", "1",
+    cmd = [*JETROLL, "bench", "precision", "--json", "--seeds", "1", "--max-steps", "1",
            "--run-dir", str(tmp_path / "runs"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=2",
            "--set", "model.warm_start.init_from.max_steps=2", "--set", "model.warm_start.init_from.target_band=null",
            "--set", f"model.cache_dir={tmp_path / 'cache'}", "--set", "eval.num_problems=1",
@@ -129,7 +129,7 @@ def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
 def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
     """One trainer seed on both kernel variants, 2 RL steps of a 1-layer model: each cell is a real `jetroll run`
     from its own cold cache, the avx2 cell really runs AVX2 kernels, and a second call runs nothing again."""
-    cmd = [sys.executable, "-m", "services.cli", "bench", "learning", "--json", "--seeds", "1", "--max-steps", "2",
+    cmd = [*JETROLL, "bench", "learning", "--json", "--seeds", "1", "--max-steps", "2",
            "--run-dir", str(tmp_path / "bench"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=4",
            "--set", "model.warm_start.target_band=null", "--set", "model.warm_start.probe_problems=20",
            "--set", "eval.num_problems=20", "--set", "eval.every_steps=1", "--set", "trainer.groups_per_step=2",

@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from shared.bus import FIELD, RedisBus
-from shared.events import MetricsEvent, decode, encode
+from jetroll.shared.protocol.bus import FIELD, RedisBus
+from jetroll.shared.protocol.events import MetricsEvent, decode, encode
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from test_job import (  # noqa: F401 - fixture
     stop,
 )
 
-from shared.events import ScoredEvent, decode
+from jetroll.shared.protocol.events import ScoredEvent, decode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ def celery_worker_pids(job_id: str) -> list[int]:
             args = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
         except OSError:
             continue
-        if b"functions.celery_app" in args and f"jetroll-{job_id}-".encode() in args:
+        if b"jetroll.functions.celery_app" in args and f"jetroll-{job_id}-".encode() in args:
             pids.append(int(entry.name))
     return pids
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from services.controller.controller import Controller
-from shared.bus import RedisBus
-from shared.config import JobConfig, validate_config
-from shared.events import GroupEvent, decode
-from shared.store import setup_store
-from shared.tasks import get_task
-from shared.tokenizer import build_char_tokenizer
+from jetroll.services.controller.controller import Controller
+from jetroll.shared.config import JobConfig, validate_config
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import GroupEvent, decode
+from jetroll.shared.store import setup_store
+from jetroll.shared.tasks.registry import get_task
 
 pytestmark = pytest.mark.integration
 

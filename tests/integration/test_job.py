@@ -8,7 +8,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -19,12 +18,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis
+from helpers import JETROLL
 
-from services.init_model import ensure_base_model
-from shared.bus import RedisBus
-from shared.config import RedisConfig, load_config
-from shared.events import MetricsEvent, encode
-from shared.ledger import Ledger, LedgerTotals, Outcome, group_id
+from jetroll.services.trainer.warm_start import ensure_base_model
+from jetroll.shared.config import RedisConfig, load_config
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import MetricsEvent, encode
+from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, Outcome, group_id
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +88,7 @@ def launch(workdir: Path, redis_url: str, model_path: str, *overrides: str, job_
     job_id = job_id or f"t{uuid.uuid4().hex[:8]}"
     run_dir = run_dir or workdir / job_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "services.cli", "run", str(SMOKE), "--redis-url", redis_url, "--run-dir", str(run_dir)]
+    cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir", str(run_dir)]
     for item in (f"model.path={model_path}", f"job_id={job_id}", *overrides):
         cmd += ["--set", item]
     logs = {name: workdir / f"{job_id}-{uuid.uuid4().hex[:4]}.{name}" for name in ("stdout", "stderr")}
@@ -124,7 +124,7 @@ def start_job(tmp_path: Path, redis_url: str, model_path: str) -> Iterator[Calla
 
 
 def service_pids(kind: str | None, config_path: Path) -> list[int]:
-    """PIDs of `python -m services.cli <kind> --config <config_path> ...` (any kind when None)."""
+    """PIDs of `python -m jetroll.services.cli <kind> --config <config_path> ...` (any kind when None)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -133,9 +133,9 @@ def service_pids(kind: str | None, config_path: Path) -> list[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"services.cli" not in args or str(config_path).encode() not in args:
+        if b"jetroll.services.cli" not in args or str(config_path).encode() not in args:
             continue
-        i = args.index(b"services.cli")
+        i = args.index(b"jetroll.services.cli")
         if len(args) > i + 1 and (kind is None or args[i + 1] == kind.encode()):
             pids.append(int(entry.name))
     return pids
@@ -390,7 +390,7 @@ def test_resume_logs_each_step_once(resumed: ResumedRun) -> None:
 
 
 def _run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", "run", *args], capture_output=True, text=True,
+    return subprocess.run([*JETROLL, "run", *args], capture_output=True, text=True,
                           cwd=tmp_path, timeout=60)
 
 

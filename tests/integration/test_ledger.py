@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from test_staleness import job_config, model_dir, scored, stop, until  # noqa: F401 - fixture
 
-from services.controller.controller import Controller
-from services.trainer.trainer import Trainer
-from shared.bus import RedisBus
-from shared.events import WeightsPublishedEvent
-from shared.ledger import IN_FLIGHT, Ledger, Outcome, admission_index, group_id
-from shared.store import setup_store
+from jetroll.services.controller.controller import Controller
+from jetroll.services.trainer.trainer import Trainer
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import WeightsPublishedEvent
+from jetroll.shared.protocol.ledger import IN_FLIGHT, Ledger, Outcome, admission_index, group_id
+from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,19 +16,29 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import JETROLL
 from test_job import hold_streams
 
-from services.init_model import ensure_base_model, init_weights, model_args
-from services.rollout.engine import Engine, Request
-from services.rollout.worker import RolloutWorker
-from shared.bus import RedisBus
-from shared.config import ModelConfig, load_config, validate_config
-from shared.env import CalculatorEnv, EnvStep
-from shared.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent, decode
-from shared.model import CausalLM, save_pretrained
-from shared.store import setup_store
-from shared.tasks import TASKS, Problem, register_task
-from shared.tokenizer import build_char_tokenizer
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.rollout.worker import RolloutWorker
+from jetroll.services.trainer.warm_start import ensure_base_model, init_weights, model_args
+from jetroll.shared.config import ModelConfig, load_config, validate_config
+from jetroll.shared.model.model import CausalLM, save_pretrained
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import (
+    Array,
+    GroupEvent,
+    MetricsEvent,
+    TrajectoryEvent,
+    WeightsPublishedEvent,
+    decode,
+)
+from jetroll.shared.store import setup_store
+from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.calculator import CalculatorEnv
+from jetroll.shared.tasks.env import EnvStep
+from jetroll.shared.tasks.registry import TASKS, register_task
 
 pytestmark = pytest.mark.integration
 
@@ -182,7 +191,7 @@ def smoke_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_calculator_job_end_to_end(smoke_model: str, redis_url: str, tmp_path: Path) -> None:
     job = f"c{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", str(SMOKE), "--redis-url", redis_url, "--run-dir",
+    cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir",
            str(run_dir), "--set", f"model.path={smoke_model}", "--set", f"job_id={job}"]
     hold_streams(redis_url, job, "traj:raw")
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=300)

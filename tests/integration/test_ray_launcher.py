@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from helpers import JETROLL
 from test_job import SMOKE, Job, audit_ledger, check_summary, model_path, service_logs, stop  # noqa: F401 - fixture
 
-from services.redis_server import _free_port
+from jetroll.services.launch.redis_server import _free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the `ray` extra is not installed")]
@@ -133,7 +134,7 @@ def _wait_for(predicate: Callable[[], object], job: Job, what: str, timeout_s: f
 def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
     job_id = f"r{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / job_id
-    cmd = [sys.executable, "-m", "services.cli", "run", str(SMOKE), "--launcher", "ray", "--ray-address", ray_cluster,
+    cmd = [*JETROLL, "run", str(SMOKE), "--launcher", "ray", "--ray-address", ray_cluster,
            "--redis-url", redis_url, "--run-dir", str(run_dir)]
     for item in (f"model.path={model_path}", f"job_id={job_id}", f"trainer.max_steps={MAX_STEPS}",
                  f"rollout.pools=[{{name: default, num_workers: {NUM_REPLICAS}, num_cpus: 0.25}}]",

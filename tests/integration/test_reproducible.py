@@ -17,11 +17,11 @@ import pytest
 from test_job import Job, launch, model_path, service_logs, stop  # noqa: F401 - fixture
 from test_staleness import TINY, build_model
 
-from services.controller.controller import Controller
-from shared.bus import RedisBus
-from shared.config import validate_config
-from shared.events import GroupEvent, decode
-from shared.store import setup_store
+from jetroll.services.controller.controller import Controller
+from jetroll.shared.config import validate_config
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import GroupEvent, decode
+from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration
 

@@ -24,11 +24,11 @@ from reward_harness import (
     wait_scored,
 )
 
-from functions.celery_app import MAX_RUNS
-from services.reward.backend import setup_backend
-from services.reward.celery_worker import CeleryWorker
-from services.reward.router import RAW_STREAM
-from shared.config import RewardConfig
+from jetroll.functions.celery_app import MAX_RUNS
+from jetroll.services.reward.backends import setup_backend
+from jetroll.services.reward.celery_worker import CeleryWorker
+from jetroll.services.reward.router import RAW_STREAM
+from jetroll.shared.config import RewardConfig
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def celery_config(soft_s: float = SOFT_S) -> RewardConfig:
 
 @pytest.fixture
 def start_worker(redis_url: str, tmp_path: Path) -> Iterator[Callable[[RewardConfig], CeleryWorker]]:
-    """Start `celery -A functions.celery_app worker --pool=prefork` processes; all stopped at teardown."""
+    """Start `celery -A jetroll.functions.celery_app worker --pool=prefork` processes; all stopped at teardown."""
     workers: list[CeleryWorker] = []
     env = {"PYTHONPATH": os.pathsep.join(p for p in (PYTHONPATH, os.environ.get("PYTHONPATH", "")) if p)}
 

@@ -13,11 +13,12 @@ import pytest
 import redis
 from reward_harness import REWARD_MODULES, by_traj_id, reward_tasks, running_router, started, traj, wait_scored
 
-from functions.lambda_local import DEFAULT_FUNCTION, FunctionSpec, LocalLambda
-from services.reward.backend import RewardCall, setup_backend
-from services.reward.router import RAW_STREAM
-from shared.config import RewardConfig
-from shared.events import ScoredEvent
+from jetroll.functions.lambda_local import DEFAULT_FUNCTION, FunctionSpec, LocalLambda
+from jetroll.services.reward.backends import setup_backend
+from jetroll.services.reward.backends.base import RewardCall
+from jetroll.services.reward.router import RAW_STREAM
+from jetroll.shared.config import RewardConfig
+from jetroll.shared.protocol.events import ScoredEvent
 
 pytestmark = pytest.mark.integration
 

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.reward.backend import LocalBackend
-from services.reward.pool import RewardPool
-from services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, SEEN_KEY, RewardRouter
-from shared.bus import RedisBus
-from shared.events import Array, ScoredEvent, TrajectoryEvent
-from shared.ledger import Ledger, Outcome, group_id
-from shared.tasks import TASKS, Problem, register_task
+from jetroll.services.reward.backends.local import LocalBackend
+from jetroll.services.reward.pool import RewardPool
+from jetroll.services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, SEEN_KEY, RewardRouter
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.ledger import Ledger, Outcome, group_id
+from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.registry import TASKS, register_task
 
 UNIT_DIR = str(Path(__file__).parents[1] / "unit")
 if UNIT_DIR not in sys.path:

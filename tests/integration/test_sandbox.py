@@ -17,10 +17,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from functions import sandbox
-from functions.registry import get_reward
-from functions.rewards import code_reward
-from functions.sandbox import SandboxLimits, run_python
+from jetroll.functions import sandbox
+from jetroll.functions.builtin import code_reward
+from jetroll.functions.runner import get_reward
+from jetroll.functions.sandbox import SandboxLimits, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -208,7 +208,7 @@ except OSError as exc:
 @requires_root
 def test_next_lease_cleans_up_after_a_dead_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reward pool kills a worker that overruns: the sandboxed process it leaves is killed by the uid's next lease."""
-    host_code = "from functions.sandbox import run_python; run_python('import time\\ntime.sleep(600)')"
+    host_code = "from jetroll.functions.sandbox import run_python; run_python('import time\\ntime.sleep(600)')"
     host = subprocess.Popen([sys.executable, "-c", host_code], cwd=REPO)
     try:
         assert _wait_for(_live_sandbox_pids), "the sandboxed process never started"

@@ -18,18 +18,25 @@ import redis
 import torch
 from test_job import hold_streams
 
-from services.init_model import init_weights, model_args
-from services.launcher import Launcher
-from services.rollout.engine import Engine
-from services.rollout.worker import RolloutWorker
-from services.trainer.trainer import Trainer
-from shared.bus import RedisBus
-from shared.config import JobConfig, ModelConfig, validate_config
-from shared.events import Array, GroupEvent, ScoredEvent, TrajectoryEvent, WeightsPublishedEvent, decode
-from shared.ledger import IN_FLIGHT
-from shared.model import CausalLM, load_pretrained, save_pretrained
-from shared.store import setup_store
-from shared.tokenizer import build_char_tokenizer
+from jetroll.services.launch.local import Launcher
+from jetroll.services.rollout.engine import Engine
+from jetroll.services.rollout.worker import RolloutWorker
+from jetroll.services.trainer.trainer import Trainer
+from jetroll.services.trainer.warm_start import init_weights, model_args
+from jetroll.shared.config import JobConfig, ModelConfig, validate_config
+from jetroll.shared.model.model import CausalLM, load_pretrained, save_pretrained
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import (
+    Array,
+    GroupEvent,
+    ScoredEvent,
+    TrajectoryEvent,
+    WeightsPublishedEvent,
+    decode,
+)
+from jetroll.shared.protocol.ledger import IN_FLIGHT
+from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration
 

@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import save_file
 from test_job import launch, service_logs, stop
 
-from services.init_model import ensure_base_model
-from services.rollout.worker import RolloutWorker
-from shared.bus import RedisBus
-from shared.config import load_config
-from shared.store import S3WeightStore, WeightStoreError
+from jetroll.services.rollout.worker import RolloutWorker
+from jetroll.services.trainer.warm_start import ensure_base_model
+from jetroll.shared.config import load_config
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.store import S3WeightStore, WeightStoreError
 
 pytestmark = pytest.mark.integration
 
@@ -243,7 +243,7 @@ def test_partial_upload_is_never_visible(
         asyncio.run(store.fetch(1))
 
     # Crash in the middle of a multipart upload: the upload is aborted, no parts are left behind.
-    import shared.store as store_module
+    import jetroll.shared.store as store_module
 
     real_read_part = store_module._read_part
     calls = []

@@ -21,18 +21,19 @@ import boto3
 import msgspec
 import pytest
 import redis
+from helpers import JETROLL
 
-from services import watch
-from services.jobs import ACTIVE, DLQ, JOBS, STATUS, load_job_config
-from shared.bus import FIELD
-from shared.config import ConfigError, load_config
-from shared.events import JobEvent, MetricsEvent, encode
+from jetroll.services.launch import watch
+from jetroll.services.launch.jobs import ACTIVE, DLQ, JOBS, STATUS, load_job_config
+from jetroll.shared.config import ConfigError, load_config
+from jetroll.shared.protocol.bus import FIELD
+from jetroll.shared.protocol.events import JobEvent, MetricsEvent, encode
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "configs" / "smoke.yaml"
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = JETROLL
 JOB_TIMEOUT_S = 300.0
 
 

@@ -13,9 +13,9 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.trainer.trainer import proximal_pass
-from shared.config import PrecisionConfig
-from shared.model import load_pretrained
+from jetroll.services.trainer.trainer import proximal_pass
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model.model import load_pretrained
 
 
 def main(job_path: str) -> None:

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.rollout.engine import Engine, Request
-from shared.config import PrecisionConfig
-from shared.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
-from shared.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
 SCORER = Path(__file__).with_name("bitwise_scorer.py")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, JobConfig, load_config
+from jetroll.shared.config import ConfigError, JobConfig, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 SMOKE = CONFIGS[0].parent / "smoke.yaml"

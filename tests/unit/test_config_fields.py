@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from shared.config import JobConfig
+from jetroll.shared.config import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("shared", "services", "functions")

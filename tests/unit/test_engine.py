@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.rollout import engine as engine_module
-from services.rollout.engine import Engine, Request, sample_tokens
-from shared.config import PrecisionConfig
-from shared.model import CausalLM, ModelArgs
-from shared.seeds import derive_seed, uniforms
+from jetroll.services.rollout import engine as engine_module
+from jetroll.services.rollout.engine import Engine, Request, sample_tokens
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model.model import CausalLM, ModelArgs
+from jetroll.shared.seeds import derive_seed, uniforms
 
 VOCAB = 40
 EOS = 1
@@ -209,7 +209,7 @@ def test_compiled_decode_matches_eager_across_batch_sizes_and_joins() -> None:
 
 def test_an_avx2_process_gets_an_inductor_cache_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inductor's cache key misses ATEN_CPU_CAPABILITY: an AVX2 process reusing AVX512 kernels decoded garbage."""
-    from services.cli import use_inductor_cache_of_this_cpu
+    from jetroll.services.cli import use_inductor_cache_of_this_cpu
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)

@@ -7,8 +7,10 @@ import time
 
 import pytest
 
-from shared.env import CalculatorEnv, Environment, EnvStep, call_env, is_multi_turn
-from shared.tasks import Problem, get_task
+from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.calculator import CalculatorEnv
+from jetroll.shared.tasks.env import Environment, EnvStep, call_env, is_multi_turn
+from jetroll.shared.tasks.registry import get_task
 
 
 class Flaky:

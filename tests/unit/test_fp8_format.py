@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from shared.config import BLOCK_LINEARS, PrecisionConfig
-from shared.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
-from shared.precision import PrecisionLinear
-from shared.tokenizer import build_char_tokenizer
+from jetroll.shared.config import BLOCK_LINEARS, PrecisionConfig
+from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.precision import PrecisionLinear
+from jetroll.shared.model.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

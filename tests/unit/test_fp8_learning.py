@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.init_model import IGNORE_INDEX, init_weights, model_args, sft_batch, sft_lr
-from shared.config import ModelConfig, PrecisionConfig
-from shared.model import CausalLM
-from shared.tokenizer import build_char_tokenizer
+from jetroll.services.trainer.warm_start import IGNORE_INDEX, init_weights, model_args, sft_batch, sft_lr
+from jetroll.shared.config import ModelConfig, PrecisionConfig
+from jetroll.shared.model.model import CausalLM
+from jetroll.shared.model.tokenizer import build_char_tokenizer
 
 STEPS, BATCH, LR = 200, 32, 3e-3
 TINY = ModelConfig(num_layers=1, intermediate_size=256)

@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from functions.registry import get_reward
-from services import init_model
-from services.evaluate import evaluate
-from services.init_model import build_base_model, config_hash, ensure_base_model
-from services.rollout.engine import Engine, Request
-from shared.config import ModelConfig, WarmStartConfig, WarmStartError
-from shared.model import load_pretrained
-from shared.tasks import get_task
-from shared.tokenizer import build_char_tokenizer
+from jetroll.functions.runner import get_reward
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.rollout.evaluate import evaluate
+from jetroll.services.trainer import init_model
+from jetroll.services.trainer.warm_start import build_base_model, config_hash, ensure_base_model
+from jetroll.shared.config import ModelConfig, WarmStartConfig, WarmStartError
+from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.tasks.registry import get_task
 
 
 def tiny_config(cache_dir: Path | str = "~/.cache/jetroll", seed: int = 0) -> ModelConfig:
@@ -78,7 +78,7 @@ def test_loads_with_transformers(built: tuple[Path, dict]) -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which swaps in a ByteLevel "
-    "pre-tokenizer/decoder and drops whitespace; shared/tokenizer.py must steer AutoTokenizer",
+    "pre-tokenizer/decoder and drops whitespace; shared/model/tokenizer.py must steer AutoTokenizer",
 )
 def test_auto_tokenizer_round_trips(built: tuple[Path, dict]) -> None:
     transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Numeric checks of services/trainer/loss.py against hand-computed values."""
+"""Numeric checks of shared/rl/loss.py against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from services.trainer.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
-from services.trainer.trainer import gradient_rows, policy_width
-from shared.config import PrecisionConfig, TrainerConfig
-from shared.model import CausalLM, ModelArgs
+from jetroll.services.trainer.trainer import gradient_rows, policy_width
+from jetroll.shared.config import PrecisionConfig, TrainerConfig
+from jetroll.shared.model.model import CausalLM, ModelArgs
+from jetroll.shared.rl.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
 
 
 def _cfg(**kw: object) -> TrainerConfig:

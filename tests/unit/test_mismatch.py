@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from services.trainer.loss import behavior_correction
-from services.trainer.mismatch import mismatch_stats
-from shared.config import PrecisionConfig
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.rl.loss import behavior_correction
+from jetroll.shared.rl.mismatch import mismatch_stats
 
 
 def test_mismatch_stats_on_known_deltas() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.config import PrecisionConfig
-from shared.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
-from shared.tokenizer import build_char_tokenizer
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.tokenizer import build_char_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 from test_staleness_stats import scored, trajectory
 
-from services.controller.admission import Admission, in_flight_caps, task_quotas
-from services.controller.routing import route_tasks, task_profile
-from services.trainer.batch import GroupBuffer
-from shared.config import ConfigError, load_config
-from shared.tokenizer import build_char_tokenizer
+from jetroll.services.controller.routing import route_tasks, task_profile
+from jetroll.shared.config import ConfigError, load_config
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.rl.admission import Admission, in_flight_caps, task_quotas
+from jetroll.shared.rl.batch import GroupBuffer
 
 MIX = ["tasks=[{name: arithmetic, weight: 3}, {name: count, weight: 1}]", "trainer.groups_per_step=4"]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.batch import pack_groups
-from services.trainer.loss import ppo_loss, token_logprobs
-from shared.config import PrecisionConfig, TrainerConfig
-from shared.model import CausalLM, ModelArgs
+from jetroll.shared.config import PrecisionConfig, TrainerConfig
+from jetroll.shared.model.model import CausalLM, ModelArgs
+from jetroll.shared.rl.batch import pack_groups
+from jetroll.shared.rl.loss import ppo_loss, token_logprobs
 
 PAD = 0
 

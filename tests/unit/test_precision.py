@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared import exact
-from shared.config import PrecisionConfig
-from shared.model import CausalLM, KVCache, ModelArgs, load_state
-from shared.precision import FP8_MAX, SCALE_EPS, PrecisionLinear, dequantize, fake_quant, quantize
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model import exact
+from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_state
+from jetroll.shared.model.precision import FP8_MAX, SCALE_EPS, PrecisionLinear, dequantize, fake_quant, quantize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

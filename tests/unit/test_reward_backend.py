@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.reward.backend import Outcome, backends_in_use, needs_celery_worker, setup_backend
-from shared.config import ConfigError, RewardConfig, load_config
+from jetroll.services.reward.backends import backends_in_use, needs_celery_worker, setup_backend
+from jetroll.services.reward.backends.base import Outcome
+from jetroll.shared.config import ConfigError, RewardConfig, load_config
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.reward.pool import RewardPool
+from jetroll.services.reward.pool import RewardPool
 
 HERE = str(Path(__file__).parent)
 if HERE not in sys.path:

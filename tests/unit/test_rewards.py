@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import pytest
 
-from functions.registry import REWARDS, RewardOutput, get_reward, reward
-from functions.rewards import (
+from jetroll.functions.builtin import (
     arithmetic_reward,
     calculator_reward,
     count_reward,
@@ -19,6 +18,8 @@ from functions.rewards import (
     math_reward,
     token_f1_reward,
 )
+from jetroll.functions.registry import REWARDS, RewardOutput, reward
+from jetroll.functions.runner import get_reward
 
 
 def test_arithmetic_exact() -> None:

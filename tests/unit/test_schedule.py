@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from services.init_model import sft_lr
-from shared.config import ConfigError, load_config
-from shared.schedule import cosine_lr
+from jetroll.services.trainer.warm_start import sft_lr
+from jetroll.shared.config import ConfigError, load_config
+from jetroll.shared.rl.schedule import cosine_lr
 
 
 def test_cosine_without_warmup_starts_at_the_peak_and_decays_to_the_floor() -> None:

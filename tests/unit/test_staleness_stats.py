@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from services.bench.async_model import Durations, bound, expected_max_s, simulate
-from services.controller.admission import Admission
-from services.trainer.batch import GroupBuffer, collate
-from services.trainer.staleness import staleness_stats
-from shared.config import TimingEngineConfig
-from shared.events import Array, ScoredEvent, TrajectoryEvent
-from shared.ledger import group_id
+from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
+from jetroll.shared.config import TimingEngineConfig
+from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.ledger import group_id
+from jetroll.shared.rl.admission import Admission
+from jetroll.shared.rl.batch import GroupBuffer, collate
+from jetroll.shared.rl.staleness import staleness_stats
 
 
 def trajectory(group: str, sample: int, v_tok: list[int], v_adm: int = 0, task: str = "arithmetic",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, StoreConfig, load_config, validate_config
-from shared.store import LocalWeightStore, S3WeightStore, WeightStoreError, setup_store
+from jetroll.shared.config import ConfigError, StoreConfig, load_config, validate_config
+from jetroll.shared.store import LocalWeightStore, S3WeightStore, WeightStoreError, setup_store
 
 
 def model_dir(path: Path, seed: int = 0) -> Path:

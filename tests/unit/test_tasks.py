@@ -7,8 +7,11 @@ import string
 
 import pytest
 
-from functions.registry import REWARDS
-from shared.tasks import TASKS, ArithmeticTask, CountTask, Problem, Task, get_task, register_task
+from jetroll.functions.registry import REWARDS
+from jetroll.shared.tasks.arithmetic import ArithmeticTask
+from jetroll.shared.tasks.base import Problem, Task
+from jetroll.shared.tasks.count import CountTask
+from jetroll.shared.tasks.registry import TASKS, get_task, register_task
 
 VOCAB = set("0123456789+-=*/:;,.?!()[] \n" + string.ascii_lowercase)
 

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from services.rollout.engine import Request
-from services.rollout.timing_engine import TimingEngine, draw
-from shared.config import TimingEngineConfig
+from jetroll.services.rollout.engine import Request
+from jetroll.services.rollout.timing_engine import TimingEngine, draw
+from jetroll.shared.config import TimingEngineConfig
 
 EOS, VOCAB = 1, 50
 

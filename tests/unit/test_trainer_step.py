@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from services.init_model import init_weights, model_args
-from services.trainer.batch import GroupBuffer, PendingGroup, collate
-from services.trainer.trainer import Trainer, proximal_pass
-from shared.bus import RedisBus
-from shared.config import ModelConfig, validate_config
-from shared.events import Array, ScoredEvent, TrajectoryEvent
-from shared.model import CausalLM, save_pretrained
-from shared.store import setup_store
-from shared.tasks import get_task
-from shared.tokenizer import build_char_tokenizer
+from jetroll.services.trainer.trainer import Trainer, proximal_pass
+from jetroll.services.trainer.warm_start import init_weights, model_args
+from jetroll.shared.config import ModelConfig, validate_config
+from jetroll.shared.model.model import CausalLM, save_pretrained
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, collate
+from jetroll.shared.store import setup_store
+from jetroll.shared.tasks.registry import get_task
 
 TINY = ModelConfig(num_layers=1, intermediate_size=256)
 CORRECTIONS = ("decoupled", "none", "token_tis", "seq_mis", "icepop")

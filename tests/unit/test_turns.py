@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.engine import Engine, Request
-from services.rollout.turns import TurnRunner, run_episodes
-from services.trainer.trainer import proximal_pass
-from shared.config import PrecisionConfig
-from shared.env import EnvStep
-from shared.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
-from shared.tasks import Problem
-from shared.tokenizer import build_char_tokenizer
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.rollout.turns import TurnRunner, run_episodes
+from jetroll.services.trainer.trainer import proximal_pass
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.env import EnvStep
 
 TOKENIZER = build_char_tokenizer()
 TURN_END = TOKENIZER.encode("\n")[0]

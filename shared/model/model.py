@@ -1,8 +1,8 @@
 """A compact Qwen2/Llama-compatible causal LM (RMSNorm, RoPE, GQA, SwiGLU) with HF-format I/O.
 
 The trainer's full-sequence forward and the rollout engine's KV-cache decode run the same modules;
-every block linear goes through `shared.precision`. On the exact backend, no-grad passes run every op on the
-log-prob path through `shared.exact`, so decode and the full forward agree to the bit.
+every block linear goes through `precision.py`. On the exact backend, no-grad passes run every op on the log-prob
+path through `exact.py`, so decode and the full forward agree to the bit.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from shared import exact
-from shared.config import PrecisionConfig
-from shared.precision import (
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model import exact
+from jetroll.shared.model.precision import (
     InferenceWeights,
     PrecisionLinear,
     is_inference,
     quantization_config,
     use_exact,
 )
-from shared.tokenizer import Tokenizer, load_tokenizer
+from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D]

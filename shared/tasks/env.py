@@ -1,4 +1,4 @@
-"""Multi-turn environments: the async API a task's episodes run against, and the built-in calculator tool.
+"""Multi-turn environments: the async API a task's episodes run against.
 
 An episode: `reset(problem)` once, then `step(turn)` on every model turn (the text the model wrote since the last
 observation, without the turn-end character). A step returns the observation to append to the trajectory (those
@@ -13,13 +13,11 @@ router records `env_fail` and the trainer drops the group, counted by status.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
-if TYPE_CHECKING:
-    from shared.tasks import Problem, Task
+from jetroll.shared.tasks.base import Problem, Task
 
 EnvStatus = Literal["ok", "timeout", "error"]
 T = TypeVar("T")
@@ -90,32 +88,3 @@ async def call_env(call: Callable[[], Awaitable[T]], timeout_s: float, max_retri
         except Exception as exc:  # an environment's failure is a status on its trajectory, never a lost worker
             status, error = "error", f"{type(exc).__name__}: {exc}"
     return EnvOutcome(status, None, max_retries + 1, error)
-
-
-_CALL = re.compile(r"call (\d{1,4})([*+-])(\d{1,4})")
-
-
-class CalculatorEnv:
-    """The calculator tool: a turn `call <a><op><b>` (op one of * + -, operands up to 4 digits) is answered with
-    the observation `= <result>` and the turn end; any other turn is the final answer and ends the episode, as
-    does a turn after `max_calls` calls. The final step's reward is 1.0 iff it states the problem's answer."""
-
-    def __init__(self, turn_end: str = "\n", max_calls: int = 2) -> None:
-        self.turn_end = turn_end
-        self.max_calls = max_calls
-        self.answer: str | None = None
-        self.num_calls = 0
-
-    async def reset(self, problem: Problem) -> None:
-        self.answer = problem.answer
-        self.num_calls = 0
-
-    async def step(self, turn: str) -> EnvStep:
-        assert self.answer is not None, "step before reset"
-        call = _CALL.fullmatch(turn.strip())
-        if call is None or self.num_calls >= self.max_calls:
-            return EnvStep(done=True, reward=float(turn.strip() == self.answer))
-        self.num_calls += 1
-        a, op, b = int(call[1]), call[2], int(call[3])
-        result = a * b if op == "*" else a + b if op == "+" else a - b
-        return EnvStep(observation=f"= {result}{self.turn_end}")

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shared.bus import RedisBus
+from jetroll.shared.protocol.bus import RedisBus
 
 GROUP_ID = "g%07d"  # a group's id from its admission index 1, 2, ...: ids sort in admission order
 

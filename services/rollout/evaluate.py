@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
-from functions.registry import get_reward
-from services.rollout.engine import Engine, Request
-from services.rollout.turns import TurnRunner, run_episodes
-from shared.env import is_multi_turn
-from shared.model import CausalLM
-from shared.tasks import Problem, Task, get_task
-from shared.tokenizer import Tokenizer
+from jetroll.functions.runner import get_reward
+from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.rollout.turns import TurnRunner, run_episodes
+from jetroll.shared.model.model import CausalLM
+from jetroll.shared.model.tokenizer import Tokenizer
+from jetroll.shared.tasks.base import Problem, Task
+from jetroll.shared.tasks.env import is_multi_turn
+from jetroll.shared.tasks.registry import get_task
 
 ENV_TIMEOUT_S = 10.0
 

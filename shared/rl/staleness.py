@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from shared.events import TrajectoryEvent
+from jetroll.shared.protocol.events import TrajectoryEvent
 
 
 def staleness_stats(trajectories: list[TrajectoryEvent], version: int, eta_hard: int) -> dict[str, float]:

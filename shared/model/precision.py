@@ -2,8 +2,8 @@
 
 On the CPU every mode is emulated: operands are rounded to the linear's format (bf16, or e4m3 with per-block scales).
 No-grad passes run one of two GEMM backends: `fast` dequantizes and runs an fp32 GEMM (oneDNN-prepacked at decode
-batch sizes), `exact` sums products exactly per block (shared/exact.py) and is bitwise batch-invariant. The gradient
-pass always runs `fast` with the backward GEMMs of `precision.backward`, straight through to the fp32 master weights.
+batch sizes), `exact` sums products exactly per block (exact.py) and is bitwise batch-invariant. The gradient pass
+always runs `fast` with the backward GEMMs of `precision.backward`, straight through to the fp32 master weights.
 A GPU backend (TransformerEngine, DeepGEMM) slots in as a third `InferenceWeights` backend with this quantizer.
 """
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared import exact
-from shared.config import PrecisionConfig
+from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.model import exact
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn

@@ -14,8 +14,8 @@ from typing import Literal
 
 import torch
 
-from shared import exact
-from shared.config import PrecisionConfig, TrainerConfig
+from jetroll.shared.config import PrecisionConfig, TrainerConfig
+from jetroll.shared.model import exact
 
 
 def group_advantages(rewards: torch.Tensor, kind: Literal["grpo", "dr_grpo"] = "grpo") -> torch.Tensor:

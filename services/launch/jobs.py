@@ -24,9 +24,9 @@ import redis.asyncio as aioredis
 import yaml
 from redis.exceptions import WatchError
 
-from shared.bus import FIELD
-from shared.config import ConfigError, JobConfig, load_config
-from shared.events import JobEvent, encode
+from jetroll.shared.config import ConfigError, JobConfig, load_config
+from jetroll.shared.protocol.bus import FIELD
+from jetroll.shared.protocol.events import JobEvent, encode
 
 JOBS = "jetroll:jobs"
 ACTIVE = "jetroll:jobs:active"
@@ -41,7 +41,7 @@ SUMMARY_FIELDS = ("steps", "accuracy_before", "accuracy_after", "rollout_tokens_
 
 
 def connect(redis_url: str) -> aioredis.Redis:
-    # RESP2 pinned, as in shared.bus, so reply shapes are the same on every server version
+    # RESP2 pinned, as in jetroll.shared.protocol.bus, so reply shapes are the same on every server version
     return aioredis.Redis.from_url(redis_url, protocol=2)
 
 

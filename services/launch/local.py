@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from services.reward.backend import needs_celery_worker
-from shared.config import JobConfig, validate_config
+from jetroll.services.reward.backends import needs_celery_worker
+from jetroll.shared.config import JobConfig, validate_config
 
 POLL_S = 0.5
 STOP_TIMEOUT_S = 10.0
@@ -49,13 +49,13 @@ class Launcher:
 
     def start(self, service: Service) -> None:
         consumer = service.name if not service.num_restarts else f"{service.name}-r{service.num_restarts}"
-        cmd = [sys.executable, "-m", "services.cli", service.kind, "--config", str(self.config_path),
+        cmd = [sys.executable, "-m", "jetroll.services.cli", service.kind, "--config", str(self.config_path),
                "--redis-url", self.redis_url, "--consumer", consumer, "--run-dir", str(self.run_dir)]
         if service.pool is not None:
             cmd += ["--pool", service.pool]
         env = None
         if service.kind == "celery":
-            from services.reward.celery_worker import worker_command, worker_env
+            from jetroll.services.reward.celery_worker import worker_command, worker_env
 
             reward = self.config.reward
             cmd = worker_command(reward, node=f"jetroll-{self.config.job_id}-{consumer}@localhost")
@@ -121,7 +121,7 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
     """The config every service of a job reads: the base model built or found (model.path) and the store root
     (or the S3 store's cache) made absolute, `<run_dir>/store` by default. `jetroll run` and the watch-mode
     controller both resolve a job this way."""
-    from services.init_model import ensure_base_model
+    from jetroll.services.trainer.warm_start import ensure_base_model
 
     model_path = ensure_base_model(config.model)
     store_root = config.store.root or str(run_dir / "store")
@@ -133,7 +133,7 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
 
 def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:
     """`jetroll run`: build/find the base model, start Redis unless given, run the services to the end."""
-    from services.redis_server import RedisServer
+    from jetroll.services.launch.redis_server import RedisServer
 
     run_dir = (run_dir or Path("runs") / config.job_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

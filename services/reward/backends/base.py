@@ -1,7 +1,7 @@
 """The reward backend seam: one interface, one implementation per backend (local pool, Celery, AWS Lambda).
 
 A backend runs one call and reports what happened; it never retries (the router owns retries) and never turns a
-failure into a reward. `setup_backend` switches on the backend name.
+failure into a reward. The package's `setup_backend` builds one by name.
 """
 
 from __future__ import annotations
@@ -11,12 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from services.reward.pool import RewardPool
-from shared.bus import job_key
-from shared.config import RewardConfig
-
 CallStatus = Literal["ok", "timeout", "error", "throttled"]
-BACKENDS = ("local", "celery", "lambda")
 RECORD_TTL_S = 3600  # how long idempotency records (per traj_id) outlive their call: redeliveries come sooner
 
 
@@ -31,7 +26,7 @@ class RewardCall:
     answer: str
 
     def request(self) -> dict[str, Any]:
-        """The JSON request every remote runner takes (functions.runner.call_reward)."""
+        """The JSON request every remote runner takes (jetroll.functions.runner.call_reward)."""
         return {"reward": self.reward, "completion": self.completion, "answer": self.answer, "traj_id": self.traj_id}
 
 
@@ -92,65 +87,3 @@ class RewardBackend(ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class LocalBackend(RewardBackend):
-    """The in-host process pool; it owns `pool` and closes it."""
-
-    name = "local"
-
-    def __init__(self, pool: RewardPool) -> None:
-        super().__init__(pool.num_workers)
-        self.pool = pool
-
-    async def _score(self, call: RewardCall) -> Outcome:
-        status, out, detail = await self.pool.score(call.reward, call.completion, call.answer)
-        if status == "ok":
-            assert out is not None
-            return Outcome("ok", out.reward, out.correct, out.details)
-        return Outcome(status, detail=detail)
-
-    async def close(self) -> None:
-        self.pool.close()
-
-
-def setup_backend(name: str, config: RewardConfig, *, redis_url: str, job_id: str) -> RewardBackend:
-    """Build backend `name` from the reward config; `redis_url` is the job's Redis (idempotency records)."""
-    if name == "local":
-        return LocalBackend(RewardPool(config.num_workers, config.timeout_s, config.modules))
-    if name == "celery":
-        from services.reward.celery_backend import CeleryBackend
-
-        return CeleryBackend(
-            config.celery_broker_url or redis_url,
-            key_prefix=job_key(job_id, "reward:celery"),
-            queue=config.celery_queue,
-            concurrency=config.celery_concurrency,
-            soft_time_limit_s=config.timeout_s,
-            hard_time_limit_s=config.celery_hard_time_limit_s,
-            visibility_timeout_s=config.celery_visibility_timeout_s,
-        )
-    if name == "lambda":
-        from services.reward.lambda_backend import LambdaBackend
-
-        return LambdaBackend(
-            redis_url,
-            key_prefix=job_key(job_id, "reward:lambda"),
-            default_function=config.lambda_function,
-            functions=config.lambda_functions,
-            endpoint_url=config.lambda_endpoint_url,
-            region=config.lambda_region,
-            read_timeout_s=config.lambda_read_s,
-            concurrency=config.lambda_concurrency,
-        )
-    raise ValueError(f"unknown reward backend {name!r}; valid: {', '.join(BACKENDS)}")
-
-
-def backends_in_use(config: RewardConfig, tasks: list[str]) -> list[str]:
-    """The backends that score at least one of `tasks`, in BACKENDS order."""
-    used = {config.backend_of(task) for task in tasks}
-    return [name for name in BACKENDS if name in used]
-
-
-def needs_celery_worker(config: RewardConfig, tasks: list[str]) -> bool:
-    return config.celery_start_worker and "celery" in backends_in_use(config, tasks)

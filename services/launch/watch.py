@@ -28,7 +28,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from services.jobs import (
+from jetroll.services.launch.jobs import (
     ACTIVE,
     CONTROLLER_GROUP,
     DLQ,
@@ -41,9 +41,9 @@ from services.jobs import (
     check_job_id,
     connect,
 )
-from shared.bus import FIELD, _s, _stream_entries
-from shared.config import ConfigError, JobConfig, validate_config
-from shared.events import EventDecodeError, JobEvent, decode, encode
+from jetroll.shared.config import ConfigError, JobConfig, validate_config
+from jetroll.shared.protocol.bus import FIELD, _s, _stream_entries
+from jetroll.shared.protocol.events import EventDecodeError, JobEvent, decode, encode
 
 log = logging.getLogger("jetroll.watch")
 
@@ -58,8 +58,8 @@ def service_argv(redis_url: str, extra: Sequence[str] = ()) -> ServiceArgv:
     """`jetroll <service> --config ...`, as the local launcher starts a service."""
 
     def argv(name: str, config_path: Path, run_dir: Path, consumer: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli", name, "--config", str(config_path), "--redis-url", redis_url,
-                "--consumer", consumer, "--run-dir", str(run_dir), *extra]
+        return [sys.executable, "-m", "jetroll.services.cli", name, "--config", str(config_path),
+                "--redis-url", redis_url, "--consumer", consumer, "--run-dir", str(run_dir), *extra]
 
     return argv
 
@@ -202,7 +202,7 @@ async def _reject(redis: aioredis.Redis, board: JobBoard, entry_id: str, payload
 
 async def _run_job(redis: aioredis.Redis, board: JobBoard, event: JobEvent, config: JobConfig, run_dir: Path,
                    consumer: str, argv: ServiceArgv, poll_s: float, stop_timeout_s: float) -> None:
-    from services.launcher import resolve_config
+    from jetroll.services.launch.local import resolve_config
 
     job_id = config.job_id
     previous = await board.get(job_id) or {}

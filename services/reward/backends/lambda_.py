@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError, ReadTimeoutError
 
-from services.reward.backend import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
+from jetroll.services.reward.backends.base import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
 
 THROTTLE_CODES = frozenset({"TooManyRequestsException"})
 _INVOKING = b"invoking"

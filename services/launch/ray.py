@@ -26,8 +26,8 @@ from typing import Any
 
 import redis
 
-from shared.bus import job_key
-from shared.config import ConfigError, JobConfig, validate_config
+from jetroll.shared.config import ConfigError, JobConfig, validate_config
+from jetroll.shared.protocol.bus import job_key
 
 log = logging.getLogger("jetroll.ray")
 
@@ -52,24 +52,24 @@ class ServiceActor:
     and retries `run` on it, up to `launch.max_restarts` times."""
 
     def __init__(self, kind: str, tree: dict[str, Any], redis_url: str, run_dir: str) -> None:
-        from services.cli import _set_threads
+        from jetroll.services.launch.entrypoints import set_threads
 
         self.kind, self.redis_url, self.run_dir = kind, redis_url, Path(run_dir)
         self.config = validate_config(tree)
-        _set_threads(kind, self.config)
+        set_threads(kind, self.config)
         _log_to_file(self.run_dir, kind)
         self.task: asyncio.Task | None = None
 
     async def run(self) -> None:
         import ray
 
-        from services.cli import _service_main
+        from jetroll.services.launch.entrypoints import service_main
 
         # a restarted service takes a new consumer name; the dead one's entries are reclaimed (XAUTOCLAIM)
         consumer = self.kind
         if ray.get_runtime_context().was_current_actor_reconstructed:
             consumer = f"{self.kind}-{os.getpid()}"
-        self.task = asyncio.create_task(_service_main(self.kind, self.config, self.redis_url, consumer, self.run_dir))
+        self.task = asyncio.create_task(service_main(self.kind, self.config, self.redis_url, consumer, self.run_dir))
         try:
             await self.task
         except asyncio.CancelledError:
@@ -93,13 +93,13 @@ class RolloutReplica:
     async def __init__(self, tree: dict[str, Any], redis_url: str, run_dir: str, pool: str) -> None:
         from ray import serve
 
-        from services.cli import _set_threads
-        from services.rollout.worker import RolloutWorker
-        from shared.bus import RedisBus
-        from shared.store import setup_store
+        from jetroll.services.launch.entrypoints import set_threads
+        from jetroll.services.rollout.worker import RolloutWorker
+        from jetroll.shared.protocol.bus import RedisBus
+        from jetroll.shared.store import setup_store
 
         config = validate_config(tree)
-        _set_threads("rollout", config)
+        set_threads("rollout", config)
         self.name = f"rollout-{pool}-{serve.get_replica_context().replica_id.unique_id}"
         _log_to_file(Path(run_dir), self.name)
         self.bus = RedisBus(redis_url, config.job_id, max_deliveries=config.redis.max_deliveries,
@@ -171,7 +171,7 @@ class RayJob:
         import ray
         from ray import serve
 
-        from services.reward.backend import needs_celery_worker
+        from jetroll.services.reward.backends import needs_celery_worker
 
         launch = self.config.launch
         if needs_celery_worker(self.config.reward, [task.name for task in self.config.tasks]):
@@ -222,13 +222,13 @@ class RayJob:
             await asyncio.gather(controller, return_exceptions=True)
 
     async def _controller(self) -> int:
-        from services.cli import _service_main
+        from jetroll.services.launch.entrypoints import service_main
 
         max_restarts = self.config.launch.max_restarts
         for attempt in range(max_restarts + 1):
             consumer = "controller" if not attempt else f"controller-r{attempt}"
             try:
-                await _service_main("controller", self.config, self.redis_url, consumer, self.run_dir)
+                await service_main("controller", self.config, self.redis_url, consumer, self.run_dir)
                 return 0
             except Exception as exc:
                 log.exception("%s failed", consumer)
@@ -262,7 +262,7 @@ class RayJob:
 
 def _start_celery(config: JobConfig, redis_url: str, run_dir: Path) -> subprocess.Popen:
     """The Celery reward worker runs beside the driver, as the local launcher runs it."""
-    from services.reward.celery_worker import worker_command, worker_env
+    from jetroll.services.reward.celery_worker import worker_command, worker_env
 
     reward = config.reward
     cmd = worker_command(reward, node=f"jetroll-{config.job_id}-celery-worker@localhost")
@@ -291,8 +291,8 @@ def run_ray_job(config: JobConfig, run_dir: Path | None = None, redis_url: str |
     except ImportError:
         print("jetroll: the ray launcher needs Ray: pip install 'jetroll[ray]'", file=sys.stderr)
         return 2
-    from services.launcher import resolve_config
-    from services.redis_server import RedisServer
+    from jetroll.services.launch.local import resolve_config
+    from jetroll.services.launch.redis_server import RedisServer
 
     ray_address = ray_address or os.environ.get("RAY_ADDRESS")
     redis_url = redis_url or config.redis.url

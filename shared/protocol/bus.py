@@ -10,7 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from shared.events import AnyEvent, Event, EventDecodeError, decode, encode
+from jetroll.shared.protocol.events import AnyEvent, Event, EventDecodeError, decode, encode
 
 FIELD = b"e"  # every entry holds one encoded event under this field
 DLQ = "dlq"

@@ -12,8 +12,8 @@ import json
 
 import redis.asyncio as aioredis
 
-from functions.celery_app import TASK_NAME, make_app
-from services.reward.backend import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
+from jetroll.functions.celery_app import TASK_NAME, make_app
+from jetroll.services.reward.backends.base import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
 
 WAIT_MARGIN_S = 5.0
 

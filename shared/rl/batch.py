@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.events import ScoredEvent
-from shared.ledger import admission_order
+from jetroll.shared.protocol.events import ScoredEvent
+from jetroll.shared.protocol.ledger import admission_order
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from functions.registry import RewardOutput, reward
-from functions.sandbox import SandboxResult, run_python
+from jetroll.functions.registry import RewardOutput, reward
+from jetroll.functions.sandbox import SandboxResult, run_python
 
 _SpecT = TypeVar("_SpecT", bound=msgspec.Struct)
 
@@ -162,7 +162,7 @@ _CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL
 def code_reward(completion: str, answer: str | Mapping[str, Any]) -> RewardOutput:
     """1.0 iff the completion's last ```python block (else its whole text) passes every test of `answer`.
 
-    Each test runs in `functions.sandbox` with its default limits, and the first failure ends scoring (binary
+    Each test runs in `jetroll.functions.sandbox` with its default limits, and the first failure ends scoring (binary
     reward, so a bad program costs one run, not one per test). A program that crashes, hangs or hits a limit
     fails its test; only a sandbox that cannot run at all raises.
     """

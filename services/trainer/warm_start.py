@@ -23,13 +23,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from safetensors.torch import load_file
 
-from services.evaluate import accuracy_on
-from shared.config import ModelConfig, WarmStartConfig, WarmStartError
-from shared.env import is_multi_turn
-from shared.model import CausalLM, ModelArgs, load_state, save_pretrained
-from shared.schedule import cosine_lr
-from shared.tasks import get_task
-from shared.tokenizer import Tokenizer, build_char_tokenizer
+from jetroll.services.rollout.evaluate import accuracy_on
+from jetroll.shared.config import ModelConfig, WarmStartConfig, WarmStartError
+from jetroll.shared.model.model import CausalLM, ModelArgs, load_state, save_pretrained
+from jetroll.shared.model.tokenizer import Tokenizer, build_char_tokenizer
+from jetroll.shared.rl.schedule import cosine_lr
+from jetroll.shared.tasks.env import is_multi_turn
+from jetroll.shared.tasks.registry import get_task
 
 WARMSTART_FILE = "warmstart.json"
 RECIPE_VERSION = 2  # bump when the build's code changes what a config builds (2: stop by probe accuracy)

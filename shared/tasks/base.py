@@ -1,0 +1,106 @@
+"""A task: a problem generator with a reward name and a held-out split that is disjoint by construction.
+
+Every prompt and answer uses only the char-level vocabulary:
+`0-9 + - = * / : ; , . ? ! ( ) [ ] space a-z newline`.
+A problem's split (train, probe or held-out) is a pure function of its parameters (a hash), so `sample` can never
+return a held-out or probe problem and neither set needs to remember what training saw. The probe set is the warm
+start's: it stops the supervised pass, so it must not be the held-out set RL is scored on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+HELDOUT_PERCENT = 10
+PROBE_PERCENT = 2
+Split = Literal["train", "probe", "heldout"]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One problem: the prompt the model continues and the exact expected completion."""
+
+    prompt: str
+    answer: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A task users register: how to draw problems and which reward function scores them."""
+
+    name: str
+    reward: str  # name of its reward function in jetroll.functions.registry
+    max_new_tokens: int  # generation budget the controller asks rollout for (capped by rollout.max_new_tokens)
+
+    def sample(self, rng: random.Random) -> Problem:
+        """A training problem (never a held-out one)."""
+        ...
+
+    def heldout(self, n: int) -> list[Problem]:
+        """A deterministic held-out set of n problems, disjoint from training by construction."""
+        ...
+
+    def probe(self, n: int) -> list[Problem]:
+        """A deterministic probe set of n problems for the warm start, disjoint from training and held-out sets."""
+        ...
+
+    def sft_sample(self, rng: random.Random) -> Problem:
+        """A problem for the supervised warm start: training split only, may follow a curriculum."""
+        ...
+
+    def sft_completion(self, problem: Problem) -> str:
+        """The target completion text for the supervised warm start (without EOS)."""
+        ...
+
+
+def split_of(key: str) -> Split:
+    """Deterministic split, independent of any RNG: about HELDOUT_PERCENT % of problem keys are held out and
+    PROBE_PERCENT % probe the warm start; the rest train."""
+    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % 100
+    if bucket < HELDOUT_PERCENT:
+        return "heldout"
+    return "probe" if bucket < HELDOUT_PERCENT + PROBE_PERCENT else "train"
+
+
+def training_problem(
+    rng: random.Random, draw: Callable[[random.Random], tuple[Any, ...]], key: Callable[..., str],
+    make: Callable[..., Problem],
+) -> Problem:
+    """Draw parameter tuples until one is in the training split."""
+    while True:
+        params = draw(rng)
+        if split_of(key(*params)) == "train":
+            return make(*params)
+
+
+def split_problems(
+    n: int,
+    split: Split,
+    draw: Callable[[random.Random], tuple[Any, ...]],
+    key: Callable[..., str],
+    make: Callable[..., Problem],
+    seed: str,
+    max_draws: int,
+) -> list[Problem]:
+    """Draw parameter tuples from a fixed-seed RNG, keep distinct ones of `split` until there are n."""
+    if n < 0:
+        raise ValueError(f"{split}(n) needs n >= 0, got {n}")
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    problems: list[Problem] = []
+    for _ in range(max_draws):
+        if len(problems) == n:
+            return problems
+        params = draw(rng)
+        k = key(*params)
+        if k in seen or split_of(k) != split:
+            continue
+        seen.add(k)
+        problems.append(make(*params))
+    if len(problems) < n:
+        raise ValueError(f"asked for {n} {split} problems; found {len(problems)} within the draw budget")
+    return problems

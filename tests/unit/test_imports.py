@@ -1,0 +1,117 @@
+"""The package's import graph: no cycles, and Redis only behind the protocol room.
+
+Every import counts, wherever it sits: module level, inside a function, or under `TYPE_CHECKING`. A cycle hidden in
+a function still ties two modules together, and it is how the launcher once reached into the CLI's privates.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = ("shared", "services", "functions")
+PROTOCOL = "jetroll.shared.protocol"
+# Celery's broker is Redis, so the Celery app configures its client itself; it is the one allowed exception.
+REDIS_ALLOWED = {"jetroll.functions.celery_app"}
+
+
+def package_modules() -> dict[str, Path]:
+    modules = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = ("jetroll", *path.relative_to(ROOT).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imported_names(module: str, path: Path) -> set[str]:
+    """Every dotted name an import statement in the module names, relative imports resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {module: {name for name in imported_names(module, path) if name in modules and name != module}
+            for module, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for succ in edges:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_modules() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_relative_and_function_local_imports_are_edges(tmp_path: Path) -> None:
+    source = tmp_path / "mod.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sibling import X\n"
+                      "def f():\n    import jetroll.shared.seeds\n")
+    names = imported_names("jetroll.shared.rl.mod", source)
+    assert {"jetroll.shared.rl.sibling", "jetroll.shared.rl.sibling.X", "jetroll.shared.seeds"} <= names
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    graph = import_graph()
+    assert len(graph) > 50  # the walk found the package
+    assert cycles(graph) == []
+
+
+def test_only_the_protocol_room_imports_redis() -> None:
+    offenders = sorted(module for module, path in package_modules().items()
+                       if not module.startswith(PROTOCOL) and module not in REDIS_ALLOWED
+                       and any(name == "redis" or name.startswith("redis.")
+                               for name in imported_names(module, path)))
+    assert offenders == []
