@@ -12,29 +12,18 @@ MAX_RUNS runs instead of being redelivered forever.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-import redis
 from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from jetroll.functions.runner import call_reward, import_reward_modules
+from jetroll.shared.protocol.call_records import CeleryRecords
 
 TASK_NAME = "jetroll.reward"
 DEFAULT_QUEUE = "jetroll.reward"
 MAX_RUNS = 3
-
-# Keep the first outcome, then hand the kept one to the waiting router, atomically: a redelivery or a late
-# hard-timeout report can never replace an outcome the router may already have read.
-_RECORD_LUA = """
-redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-local kept = redis.call('GET', KEYS[1])
-redis.call('RPUSH', KEYS[2], kept)
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-return kept
-"""
 
 
 def make_app(
@@ -92,22 +81,7 @@ app = make_app(
 )
 import_reward_modules()  # before the pool forks, so every child knows the user's rewards
 
-_clients: dict[int, redis.Redis] = {}
-
-
-def _redis(celery_app: Celery) -> redis.Redis:
-    """One client per process: prefork children must not share the parent's sockets."""
-    pid = os.getpid()
-    if pid not in _clients:
-        _clients.clear()
-        _clients[pid] = redis.Redis.from_url(celery_app.conf.broker_url)
-    return _clients[pid]
-
-
-def _record(celery_app: Celery, request: dict[str, Any], outcome: dict[str, Any]) -> dict[str, Any]:
-    key, ttl_s = request["key"], int(request["ttl_s"])
-    kept = _redis(celery_app).eval(_RECORD_LUA, 2, key, f"{key}:reply", json.dumps(outcome), ttl_s)
-    return json.loads(kept)
+records = CeleryRecords(app.conf.broker_url)
 
 
 class RewardTask(Task):
@@ -115,20 +89,18 @@ class RewardTask(Task):
 
     def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         if isinstance(exc, TimeLimitExceeded) and args and isinstance(args[0], dict):
-            _record(self.app, args[0], {"status": "timeout", "detail": f"hard time limit exceeded ({exc})"})
+            request = args[0]
+            records.keep_first(request["key"], {"status": "timeout", "detail": f"hard time limit exceeded ({exc})"},
+                               int(request["ttl_s"]))
 
 
 @app.task(name=TASK_NAME, base=RewardTask, bind=True)
 def score_reward(self: Task, request: dict[str, Any]) -> dict[str, Any]:
     """Score one call: {"reward", "completion", "answer", "key", "ttl_s"} -> {"status", "reward", "correct", ...}."""
-    client = _redis(self.app)
-    kept = client.get(request["key"])
+    kept = records.kept(request["key"])
     if kept is not None:
-        return json.loads(kept)
-    runs_key = f"{request['key']}:runs"
-    num_runs = client.incr(runs_key)
-    client.expire(runs_key, int(request["ttl_s"]))
-    if num_runs > MAX_RUNS:
+        return kept
+    if records.count_run(request["key"], int(request["ttl_s"])) > MAX_RUNS:
         outcome = {"status": "error", "detail": f"the worker died in each of {MAX_RUNS} runs of this reward call"}
     else:
         try:
@@ -137,4 +109,4 @@ def score_reward(self: Task, request: dict[str, Any]) -> dict[str, Any]:
             outcome = {"status": "timeout", "detail": "soft time limit exceeded"}
         except Exception as exc:  # a failing reward is a status, never a reward
             outcome = {"status": "error", "detail": f"{type(exc).__name__}: {exc}"}
-    return _record(self.app, request, outcome)
+    return records.keep_first(request["key"], outcome, int(request["ttl_s"]))

@@ -219,6 +219,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from jetroll.services.launch import jobs
+    from jetroll.shared.protocol.topology import JOBS
 
     if args.to == "redis" and not args.redis_url:
         parser.error("submit --to redis needs --redis-url (or JETROLL_REDIS_URL)")
@@ -229,7 +230,7 @@ def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         if args.to == "redis":
             asyncio.run(jobs.submit_to_redis(config, args.redis_url))
-            where = f"queued on {jobs.JOBS}"
+            where = f"queued on {JOBS.name}"
         else:
             where = f"put at {jobs.submit_to_s3(config, args.jobs_uri, args.endpoint_url)}"
     except Exception as exc:  # one line, not a traceback: the server is down, the bucket missing, no credentials
@@ -242,17 +243,15 @@ def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from jetroll.services.launch.jobs import JobBoard, connect, format_status
+    from jetroll.services.launch.jobs import format_status
+    from jetroll.shared.protocol.jobs import JobQueue
 
     if not args.redis_url:
         parser.error("status needs --redis-url (or JETROLL_REDIS_URL)")
 
     async def read() -> dict[str, dict]:
-        client = connect(args.redis_url)
-        try:
-            return await JobBoard(client).all()
-        finally:
-            await client.aclose()
+        async with JobQueue(args.redis_url) as queue:
+            return await queue.board.all()
 
     records = asyncio.run(read())
     if args.job_id is not None:

@@ -18,6 +18,7 @@ mean max of its steps), which separates orchestration cost from sampling noise.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -30,14 +31,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import redis
-
 from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
 from jetroll.services.launch.local import Launcher
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config import ModelConfig, TimingEngineConfig, WarmStartConfig, validate_config
-from jetroll.shared.protocol.bus import job_key
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.ledger import Ledger, Outcome
 
 log = logging.getLogger("jetroll.bench.async")
 
@@ -127,12 +127,17 @@ def launch_job(tree: dict, run_dir: Path, redis_url: str) -> None:
         raise RuntimeError(f"bench job {tree['job_id']} failed; see {run_dir / 'logs'}")
 
 
-def read_ledger(redis_url: str, job_id: str) -> dict[str, dict]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return {k.decode(): json.loads(v) for k, v in client.hgetall(job_key(job_id, "ledger")).items()}
-    finally:
-        client.close()
+def read_ledger(redis_url: str, job_id: str) -> dict[str, Outcome]:
+    """The outcomes the job's ledger still keeps (every group, with a large enough `redis.ledger_keep_groups`)."""
+
+    async def read() -> dict[str, Outcome]:
+        bus = RedisBus(redis_url, job_id)
+        try:
+            return await Ledger(bus).outcomes()
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
 
 
 def measure(scale: Scale, setting: Setting, timing: TimingEngineConfig, durations: Durations, model_path: str,
@@ -147,9 +152,9 @@ def measure(scale: Scale, setting: Setting, timing: TimingEngineConfig, duration
     first, window = rows[scale.num_warmup_steps - 1], rows[scale.num_warmup_steps:]
     window_s = window[-1]["time_s"] - first["time_s"]
     ledger = read_ledger(redis_url, tree["job_id"])
-    trained = {g: o for g, o in ledger.items() if o["status"] == "trained" and o["step"] > scale.num_warmup_steps}
-    num_trajectories = sum(o["num_samples"] for o in trained.values())
-    num_trained = sum(o["status"] == "trained" for o in ledger.values())
+    trained = {g: o for g, o in ledger.items() if o.status == "trained" and o.step > scale.num_warmup_steps}
+    num_trajectories = sum(o.num_samples for o in trained.values())
+    num_trained = sum(o.status == "trained" for o in ledger.values())
     assert num_trained == scale.num_steps * scale.num_groups, f"the ledger kept {num_trained} trained groups"
     hist: dict[int, int] = {}
     for row in window:

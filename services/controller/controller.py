@@ -17,7 +17,9 @@ from jetroll.shared.model.model import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
-from jetroll.shared.protocol.ledger import IN_FLIGHT, Ledger, LedgerTotals, group_id
+from jetroll.shared.protocol.in_flight import InFlightIndex
+from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, group_id
+from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, TRAJ_SCORED, WEIGHTS, Stream, groups_stream
 from jetroll.shared.rl.admission import Admission, in_flight_caps
 from jetroll.shared.seeds import derive_seed
 from jetroll.shared.store import WeightStore, WeightStoreError
@@ -25,7 +27,6 @@ from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.controller")
 
-WATCHED_STREAMS = (("traj:raw", "reward"), ("traj:scored", "trainer"))
 # the controller alone tails metrics: it trims them behind what it has read, keeping this much for a restarted life
 # to rebuild the step in progress (written rows come back from metrics.jsonl, drops from the ledger)
 METRICS_KEEP_S = 30.0
@@ -48,6 +49,7 @@ class Controller:
         self.tokenizer = load_tokenizer(config.model.path)
         self.book = MetricsBook(run_dir)
         self.ledger = Ledger(bus)
+        self.in_flight = InFlightIndex(bus)
         self.version = 0
         self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
         log.info("task -> rollout pool: %s; pool labels: %s", self.pool_of_task,
@@ -66,17 +68,17 @@ class Controller:
                 await self._admit()
                 # a step whose metrics are in is about to publish its weights: wait on those, not on more metrics
                 is_publishing = bool(self.book.rows) and self.book.rows[-1]["step"] > self.version
-                weights_id, events = await self.bus.tail("weights", weights_id, block_ms=1000 if is_publishing else 0)
+                weights_id, events = await self.bus.tail(WEIGHTS, weights_id, block_ms=1000 if is_publishing else 0)
                 published = [e.version for e in events if isinstance(e, WeightsPublishedEvent)]
                 # new weights: admit at once, without waiting for more metrics
-                metrics_id, events = await self.bus.tail("metrics", metrics_id, block_ms=0 if published else 100,
+                metrics_id, events = await self.bus.tail(METRICS, metrics_id, block_ms=0 if published else 100,
                                                          count=1000)
                 for event in events:
                     if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
                         view.stream_lags = await self._stream_lags()
                         view.update(row)
                 if time.monotonic() - trimmed_at >= METRICS_TRIM_EVERY_S:
-                    await self.bus.trim_before("metrics", metrics_id, METRICS_KEEP_S)
+                    await self.bus.trim_before(METRICS, metrics_id, METRICS_KEEP_S)
                     trimmed_at = time.monotonic()
                 # evaluate a version only once its weights event says it is in the store
                 every = self.config.eval.every_steps
@@ -101,7 +103,7 @@ class Controller:
 
     async def _restore_admitted(self) -> None:
         """A restarted controller goes on counting (and drawing) from what earlier lives admitted."""
-        self.admission.num_admitted = int(await self.bus.redis.get(self.bus.key("num_admitted")) or 0)
+        self.admission.num_admitted = await self.in_flight.num_admitted()
 
     async def _admit(self) -> None:
         num = self.admission.num_allowed(self.version)
@@ -131,18 +133,16 @@ class Controller:
         if not events:
             return
         # the counter lives in Redis so a restarted controller never reuses a group_id
-        last = await self.bus.redis.incrby(self.bus.key("num_admitted"), len(events))
+        last = await self.in_flight.reserve(len(events))
         assert last == first + len(events) - 1, f"another controller admitted groups of job {self.config.job_id}"
-        for pool in {e.pool for e in events}:
-            batch = [e for e in events if e.pool == pool]
-            await self.bus.publish_indexed(f"groups:{pool}", batch, IN_FLIGHT, {e.group_id: e.v_adm for e in batch})
+        await self.in_flight.admit(events)
         self.admission.num_admitted += len(events)
 
     async def _in_flight_by_task(self) -> dict[str, int]:
-        """Admitted groups not yet trained or dropped, by task (the trainer removes them from IN_FLIGHT)."""
+        """Admitted groups not yet trained or dropped, by task (the trainer takes them out of the index)."""
         if self.admission.task_caps is None or len(self.task_names) == 1:
             return {}
-        live = {i.decode() for i in await self.bus.redis.zrange(self.bus.key(IN_FLIGHT), 0, -1)}
+        live = await self.in_flight.members()
         self.task_of_group = {i: task for i, task in self.task_of_group.items() if i in live}
         counts: dict[str, int] = {}
         for task in self.task_of_group.values():
@@ -183,12 +183,13 @@ class Controller:
 
     async def _stream_lags(self) -> dict[str, int]:
         lags = {}
-        pool_streams = [(f"groups:{pool.name}", "rollout") for pool in self.config.rollout.pools]
-        for stream, group in (*pool_streams, *WATCHED_STREAMS):
+        streams: list[Stream] = [*(groups_stream(pool.name) for pool in self.config.rollout.pools), TRAJ_RAW,
+                                 TRAJ_SCORED]
+        for stream in streams:
             try:
-                lags[stream] = await self.bus.lag(stream, group)
+                lags[stream.name] = await self.bus.lag(stream.name, stream.group)
             except ValueError:  # the consumer group is not created yet
-                lags[stream] = 0
+                lags[stream.name] = 0
         return lags
 
     def _summary(self, before: dict[str, float], after: dict[str, float], wall_s: float, ledger: LedgerTotals,

@@ -1,13 +1,5 @@
-"""Event-triggered jobs: the global job queue and status board in Redis, and job configs put to or read from S3.
-
-Redis keys (global, not job-namespaced):
-
-- `jetroll:jobs`: stream of submitted JobEvents (validated, unresolved configs); the controller's consumer group.
-- `jetroll:jobs:active`: stream of JobEvents with the resolved config, one per job the controller starts;
-  watch-mode services tail it and join a job while its status is `running`.
-- `jetroll:jobs:status`: hash job_id -> JSON {status: queued|running|done|failed, submitted_at, started_at,
-  finished_at, run_dir, the summary's fields when done, error when failed}.
-- `jetroll:jobs:dlq`: unprocessable submissions, with the reason.
+"""Event-triggered jobs: submitting to the job queue (shared/protocol/jobs.py) or to S3, reading job configs from
+either, and the status table.
 """
 
 from __future__ import annotations
@@ -16,33 +8,19 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import redis.asyncio as aioredis
 import yaml
-from redis.exceptions import WatchError
 
 from jetroll.shared.config import ConfigError, JobConfig, load_config
-from jetroll.shared.protocol.bus import FIELD
-from jetroll.shared.protocol.events import JobEvent, encode
+from jetroll.shared.protocol.events import JobEvent
+from jetroll.shared.protocol.jobs import JobQueue
+from jetroll.shared.protocol.topology import RESERVED_JOB_IDS
 
-JOBS = "jetroll:jobs"
-ACTIVE = "jetroll:jobs:active"
-STATUS = "jetroll:jobs:status"
-DLQ = "jetroll:jobs:dlq"
-CONTROLLER_GROUP = "controller"
 FINAL_STATUSES = ("done", "failed")
-MAX_ANNOUNCED = 1000  # approximate MAXLEN of the active stream: the recent jobs' resolved configs
-RESERVED_JOB_IDS = frozenset({"jobs"})  # `jetroll:jobs:*` holds the queue, not a job's streams
 SUMMARY_FIELDS = ("steps", "accuracy_before", "accuracy_after", "rollout_tokens_per_s", "mismatch_mean_abs_logprob",
                   "groups_dropped", "wall_time_s")
-
-
-def connect(redis_url: str) -> aioredis.Redis:
-    # RESP2 pinned, as in jetroll.shared.protocol.bus, so reply shapes are the same on every server version
-    return aioredis.Redis.from_url(redis_url, protocol=2)
 
 
 def check_job_id(job_id: str) -> None:
@@ -50,51 +28,12 @@ def check_job_id(job_id: str) -> None:
         raise ConfigError(f"invalid config: job_id: {job_id!r} is reserved or not a plain name")
 
 
-class JobBoard:
-    """The status hash. Records are merged field by field; `expect` guards a transition (e.g. only a running job
-    becomes done), so the first final status and its reason stand."""
-
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self.redis = redis
-
-    async def get(self, job_id: str) -> dict[str, Any] | None:
-        raw = await self.redis.hget(STATUS, job_id)
-        return json.loads(raw) if raw else None
-
-    async def all(self) -> dict[str, dict[str, Any]]:
-        return {k.decode(): json.loads(v) for k, v in (await self.redis.hgetall(STATUS)).items()}
-
-    async def update(self, job_id: str, *, expect: Iterable[str] | None = None, **fields: Any) -> dict | None:
-        """Merge `fields` into the job's record; None (and no change) when its status is not in `expect`."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(STATUS)
-                    raw = await pipe.hget(STATUS, job_id)
-                    record = json.loads(raw) if raw else {}
-                    if expect is not None and record.get("status") not in tuple(expect):
-                        return None
-                    record.update(fields)
-                    pipe.multi()
-                    pipe.hset(STATUS, job_id, json.dumps(record))
-                    await pipe.execute()
-                    return record
-                except WatchError:
-                    continue
-
-
 async def submit_to_redis(config: JobConfig, redis_url: str) -> JobEvent:
-    """Queue the job on `jetroll:jobs` with a fresh `queued` status record, in one transaction."""
+    """Queue the job on the job queue with a fresh `queued` status record, in one transaction."""
     check_job_id(config.job_id)
     event = JobEvent(job_id=config.job_id, config=config.model_dump(mode="json"))
-    client = connect(redis_url)
-    try:
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.hset(STATUS, event.job_id, json.dumps({"status": "queued", "submitted_at": event.submitted_at}))
-            pipe.xadd(JOBS, {FIELD: encode(event)})
-            await pipe.execute()
-    finally:
-        await client.aclose()
+    async with JobQueue(redis_url) as queue:
+        await queue.submit(event)
     return event
 
 

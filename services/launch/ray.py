@@ -24,14 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from jetroll.shared.config import ConfigError, JobConfig, validate_config
-from jetroll.shared.protocol.bus import job_key
+from jetroll.shared.protocol.bus import RedisBus, RedisUnreachable, server_version
+from jetroll.shared.protocol.replicas import ReplicaVersions
 
 log = logging.getLogger("jetroll.ray")
 
-REPLICAS = "replicas"  # hash: replica name -> the weight version it serves
 WANTED_REPLICAS = "wanted_replicas"  # the custom autoscaling metric each replica reports
 REPORT_S = 0.1
 STOP_TIMEOUT_S = 10.0
@@ -95,7 +93,6 @@ class RolloutReplica:
 
         from jetroll.services.launch.entrypoints import set_threads
         from jetroll.services.rollout.worker import RolloutWorker
-        from jetroll.shared.protocol.bus import RedisBus
         from jetroll.shared.store import setup_store
 
         config = validate_config(tree)
@@ -104,6 +101,7 @@ class RolloutReplica:
         _log_to_file(Path(run_dir), self.name)
         self.bus = RedisBus(redis_url, config.job_id, max_deliveries=config.redis.max_deliveries,
                             claim_idle_ms=config.redis.claim_idle_ms)
+        self.replicas = ReplicaVersions(self.bus)
         store = setup_store(config.store, config.job_id, Path(run_dir))
         self.worker = RolloutWorker(config, self.bus, store, self.name, pool)
         self.groups_per_replica = max(1, (self.worker.pool.max_batch or config.rollout.max_batch)
@@ -120,14 +118,14 @@ class RolloutReplica:
         while True:
             version = self.version()["version"]
             if version is not None and version != reported:
-                await self.bus.redis.hset(self.bus.key(REPLICAS), self.name, version)
+                await self.replicas.report(self.name, version)
                 reported = version
             await asyncio.sleep(REPORT_S)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric: replicas needed to give every unfinished group of the pool a slot."""
         try:
-            backlog = await self.bus.lag(self.worker.stream, "rollout")
+            backlog = await self.bus.lag(self.worker.stream.name, self.worker.stream.group)
         except ValueError:  # no consumer group yet: the worker is still starting
             backlog = 0
         return {WANTED_REPLICAS: math.ceil(backlog / self.groups_per_replica)}
@@ -146,7 +144,7 @@ class RolloutReplica:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if hasattr(self, "bus"):
-            await self.bus.redis.hdel(self.bus.key(REPLICAS), self.name)
+            await self.replicas.withdraw(self.name)
             await self.bus.close()
 
 
@@ -247,11 +245,7 @@ class RayJob:
             with contextlib.suppress(Exception):
                 serve.delete(app)
         # a replica deregisters itself on a graceful shutdown; one that crashed or was cut short leaves its entry
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            client.delete(job_key(self.config.job_id, REPLICAS))
-        finally:
-            client.close()
+        asyncio.run(_clear_replicas(self.redis_url, self.config.job_id))
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         if self.celery is not None:  # its pool children outlive the main process: end the whole group
@@ -271,16 +265,19 @@ def _start_celery(config: JobConfig, redis_url: str, run_dir: Path) -> subproces
         return subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, env=env)
 
 
-def _check_redis(redis_url: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=3)
+async def _clear_replicas(redis_url: str, job_id: str) -> None:
+    bus = RedisBus(redis_url, job_id)
     try:
-        client.ping()
-    except redis.RedisError as exc:
-        raise ConfigError(f"cannot reach Redis at {redis_url}: {exc}") from exc
+        await ReplicaVersions(bus).clear()
     finally:
-        client.close()
+        await bus.close()
+
+
+def _check_redis(redis_url: str) -> None:
+    try:
+        server_version(redis_url)
+    except RedisUnreachable as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def run_ray_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None,

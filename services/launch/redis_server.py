@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-import redis
+from jetroll.shared.protocol.bus import RedisUnreachable, server_version
 
 
 def find_redis_server() -> str:
@@ -95,28 +95,23 @@ class RedisServer:
             "--daemonize", "no",
         ]  # fmt: skip
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=2)
         deadline = time.monotonic() + self.start_timeout_s
-        try:
-            while True:
-                if self._proc.poll() is not None:
-                    log = log_path.read_text(errors="replace") if log_path.exists() else ""
-                    stderr = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                    if "Address already in use" in log + stderr:
-                        raise _PortTaken()
-                    raise RuntimeError(f"{self.binary} exited with {self._proc.returncode}: {(log + stderr)[-2000:]}")
-                try:
-                    if client.ping():
-                        self.version = str(client.info("server")["redis_version"])
-                        return
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"{self.binary} did not answer PING within {self.start_timeout_s}s")
-                time.sleep(0.02)
-        finally:
-            client.close()
+        while True:
+            if self._proc.poll() is not None:
+                log = log_path.read_text(errors="replace") if log_path.exists() else ""
+                stderr = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                if "Address already in use" in log + stderr:
+                    raise _PortTaken()
+                raise RuntimeError(f"{self.binary} exited with {self._proc.returncode}: {(log + stderr)[-2000:]}")
+            try:
+                self.version = server_version(self.url, connect_timeout_s=0.5, timeout_s=2)
+                return
+            except RedisUnreachable:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.binary} did not answer PING within {self.start_timeout_s}s")
+            time.sleep(0.02)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate the server (kill if it does not exit in time) and remove its temp dir."""

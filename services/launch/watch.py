@@ -25,25 +25,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
-from jetroll.services.launch.jobs import (
-    ACTIVE,
-    CONTROLLER_GROUP,
-    DLQ,
-    FINAL_STATUSES,
-    JOBS,
-    MAX_ANNOUNCED,
-    RESERVED_JOB_IDS,
-    SUMMARY_FIELDS,
-    JobBoard,
-    check_job_id,
-    connect,
-)
+from jetroll.services.launch.jobs import FINAL_STATUSES, SUMMARY_FIELDS, check_job_id
 from jetroll.shared.config import ConfigError, JobConfig, validate_config
-from jetroll.shared.protocol.bus import FIELD, _s, _stream_entries
-from jetroll.shared.protocol.events import EventDecodeError, JobEvent, decode, encode
+from jetroll.shared.protocol.bus import FIELD
+from jetroll.shared.protocol.events import EventDecodeError, JobEvent, decode
+from jetroll.shared.protocol.jobs import JobBoard, JobQueue
+from jetroll.shared.protocol.topology import ACTIVE, JOBS, RESERVED_JOB_IDS
 
 log = logging.getLogger("jetroll.watch")
 
@@ -120,42 +108,30 @@ async def serve_job(name: str, consumer: str, config: JobConfig, config_path: Pa
     return code
 
 
-async def watch_jobs(redis_url: str, runs_dir: Path, consumer: str = CONTROLLER_GROUP, argv: ServiceArgv | None = None,
+async def watch_jobs(redis_url: str, runs_dir: Path, consumer: str = JOBS.group, argv: ServiceArgv | None = None,
                      *, poll_s: float = POLL_S, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
     """`jetroll controller --watch`: run every job on `jetroll:jobs` in order, one at a time, forever. A bad
     submission is dead-lettered and marked failed; a failing job is marked failed; neither stops the watcher.
     This consumer's unacked job (the watcher restarted mid-job) runs first: the job resumes where it was."""
     argv = argv or service_argv(redis_url)
-    redis = connect(redis_url)
-    board = JobBoard(redis)
-    try:
-        try:
-            await redis.xgroup_create(JOBS, CONTROLLER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        log.info("controller %s watching %s", consumer, JOBS)
-        cursor = "0"  # this consumer's pending entries first, then new ones
+    async with JobQueue(redis_url) as queue:
+        await queue.join()
+        log.info("controller %s watching %s", consumer, JOBS.name)
+        pending = True  # this consumer's unacked entries first, then new ones
         while True:
-            reply = await redis.xreadgroup(CONTROLLER_GROUP, consumer, {JOBS: cursor}, count=1,
-                                           block=None if cursor == "0" else int(poll_s * 1000))
-            entries = _stream_entries(reply)
+            entries = await queue.read(consumer, pending=pending, block_ms=int(poll_s * 1000))
             if not entries:
-                cursor = ">"
+                pending = False
                 continue
-            for raw_id, fields in entries:
-                entry_id = _s(raw_id)
-                payload = (fields or {}).get(FIELD)
+            for entry_id, payload in entries:
                 try:
                     event, config = _parse_job(payload)
                 except JobRejected as exc:
-                    await _reject(redis, board, entry_id, payload, exc)
+                    await _reject(queue, entry_id, payload, exc)
                 else:
-                    await _run_job(redis, board, event, config, (runs_dir / config.job_id).resolve(), consumer, argv,
+                    await _run_job(queue, event, config, (runs_dir / config.job_id).resolve(), consumer, argv,
                                    poll_s, stop_timeout_s)
-                await redis.xack(JOBS, CONTROLLER_GROUP, entry_id)
-    finally:
-        await redis.aclose()
+                await queue.ack(entry_id)
 
 
 def _parse_job(payload: bytes | None) -> tuple[JobEvent, JobConfig]:
@@ -188,22 +164,19 @@ def _peek_job_id(payload: bytes) -> str | None:
     return job_id if isinstance(job_id, str) and job_id and job_id not in RESERVED_JOB_IDS else None
 
 
-async def _reject(redis: aioredis.Redis, board: JobBoard, entry_id: str, payload: bytes | None,
-                  exc: JobRejected) -> None:
+async def _reject(queue: JobQueue, entry_id: str, payload: bytes | None, exc: JobRejected) -> None:
     log.warning("job entry %s rejected: %s", entry_id, exc.reason)
-    record: dict[str, str | bytes] = {"stream": JOBS, "entry_id": entry_id, "reason": exc.reason}
-    if payload is not None:
-        record["payload"] = payload
-    await redis.xadd(DLQ, record)
+    await queue.dead_letter(entry_id, payload, exc.reason)
     if exc.job_id is not None:  # never clobber a job of that id that runs or ran
-        await board.update(exc.job_id, expect=(None, "queued"), status="failed", error=exc.reason,
+        await queue.board.update(exc.job_id, expect=(None, "queued"), status="failed", error=exc.reason,
                            finished_at=time.time())
 
 
-async def _run_job(redis: aioredis.Redis, board: JobBoard, event: JobEvent, config: JobConfig, run_dir: Path,
-                   consumer: str, argv: ServiceArgv, poll_s: float, stop_timeout_s: float) -> None:
+async def _run_job(queue: JobQueue, event: JobEvent, config: JobConfig, run_dir: Path, consumer: str,
+                   argv: ServiceArgv, poll_s: float, stop_timeout_s: float) -> None:
     from jetroll.services.launch.local import resolve_config
 
+    board = queue.board
     job_id = config.job_id
     previous = await board.get(job_id) or {}
     if previous.get("status") in FINAL_STATUSES and previous.get("submitted_at") == event.submitted_at:
@@ -219,7 +192,7 @@ async def _run_job(redis: aioredis.Redis, board: JobBoard, event: JobEvent, conf
         config_path = run_dir / "config.json"  # as the local launcher writes it
         config_path.write_text(json.dumps(resolved.model_dump(mode="json"), indent=2))
         announcement = JobEvent(job_id=job_id, config=resolved.model_dump(mode="json"), submitted_at=event.submitted_at)
-        await redis.xadd(ACTIVE, {FIELD: encode(announcement)}, maxlen=MAX_ANNOUNCED, approximate=True)
+        await queue.announce(announcement)
         code = await serve_job("controller", consumer, resolved, config_path, run_dir, argv, board, poll_s=poll_s,
                                stop_timeout_s=stop_timeout_s)
         if code is None:
@@ -246,27 +219,22 @@ async def watch_service(name: str, redis_url: str, runs_dir: Path, consumer: str
     start too), serve it until it ends (the trainer: until its last step), then wait for the next one. A service
     that keeps failing fails the job, with a message naming it."""
     argv = argv or service_argv(redis_url)
-    redis = connect(redis_url)
-    board = JobBoard(redis)
     served: set[str] = set()
     last_id = "0-0"
     log.info("%s %s waiting for jobs on %s", name, consumer, ACTIVE)
-    try:
+    async with JobQueue(redis_url) as queue:
         while True:
-            reply = await redis.xread({ACTIVE: last_id}, count=16, block=int(poll_s * 1000))
-            for raw_id, fields in _stream_entries(reply):
-                last_id = _s(raw_id)
-                config = _announced(last_id, (fields or {}).get(FIELD))
+            for entry_id, payload in await queue.announcements(last_id, block_ms=int(poll_s * 1000)):
+                last_id = entry_id
+                config = _announced(entry_id, payload)
                 if config is None or config.job_id in served:
                     continue
-                record = await board.get(config.job_id)
+                record = await queue.board.get(config.job_id)
                 if record is None or record.get("status") != "running":
                     continue
                 served.add(config.job_id)
-                await _serve(name, consumer, config, (runs_dir / config.job_id).resolve(), argv, board, poll_s,
+                await _serve(name, consumer, config, (runs_dir / config.job_id).resolve(), argv, queue.board, poll_s,
                              stop_timeout_s)
-    finally:
-        await redis.aclose()
 
 
 def _announced(entry_id: str, payload: bytes | None) -> JobConfig | None:

@@ -15,15 +15,12 @@ from jetroll.services.reward.backends.base import RewardBackend, RewardCall
 from jetroll.shared.protocol.bus import Delivery, RedisBus
 from jetroll.shared.protocol.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent, encode
 from jetroll.shared.protocol.ledger import Ledger
+from jetroll.shared.protocol.topology import METRICS, SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger(__name__)
 
-RAW_STREAM = "traj:raw"
-SCORED_STREAM = "traj:scored"
-METRICS_STREAM = "metrics"
-GROUP = "reward"
-SEEN_KEY = "seen:reward"  # hash traj_id -> entry_id of the first entry that carried it, until the group is recorded
+RAW_STREAM, GROUP = TRAJ_RAW.name, TRAJ_RAW.group
 FINAL_STATUSES: tuple[RewardStatus, ...] = ("ok", "timeout", "error", "throttled", "env_fail")
 # entries held beyond the backends' concurrency, waiting for a slot: reading them in batches of at least half this
 # spares the two round trips (XAUTOCLAIM, XREADGROUP) that reading one entry per finished call costs
@@ -131,9 +128,9 @@ class RewardRouter:
             if not isinstance(event, TrajectoryEvent):
                 reason = f"expected a traj event on {RAW_STREAM}, got {type(event).__name__}"
                 await self.bus.dead_letter(RAW_STREAM, delivery.entry_id, encode(event), reason)
-            elif await self.bus.claim_first(SEEN_KEY, event.traj_id, delivery.entry_id):
+            elif await self.bus.claim_first(SEEN_REWARD, event.traj_id, delivery.entry_id):
                 scored = await self.score(event)
-                await self.bus.publish(SCORED_STREAM, scored)
+                await self.bus.publish(TRAJ_SCORED.name, scored)
             else:
                 self.counts["duplicates"] += 1
             await self.bus.ack(RAW_STREAM, GROUP, delivery.entry_id)
@@ -142,10 +139,10 @@ class RewardRouter:
 
     async def _forget_recorded(self) -> None:
         """Release the dedupe claims of the trajectories whose groups are in the ledger."""
-        traj_ids = await self.bus.claimed(SEEN_KEY)
+        traj_ids = await self.bus.claimed(SEEN_REWARD)
         group_of = {traj_id: traj_id.rpartition(":")[0] for traj_id in traj_ids}  # traj_id = {group_id}:{sample}
         recorded = await self.ledger.recorded(set(group_of.values()))
-        await self.bus.release(SEEN_KEY, [traj_id for traj_id, group in group_of.items() if group in recorded])
+        await self.bus.release(SEEN_REWARD, [traj_id for traj_id, group in group_of.items() if group in recorded])
 
     async def score(self, traj: TrajectoryEvent) -> ScoredEvent:
         """Score one trajectory with the router's retry rules; what is still not ok after them is final."""
@@ -219,6 +216,6 @@ class RewardRouter:
             MetricsEvent(job_id=self.bus.job_id, service="reward", name=name, value=float(value), step=step)
             for name, value in values.items()
         ]
-        await self.bus.publish_many(METRICS_STREAM, events)
+        await self.bus.publish_many(METRICS, events)
         self._metrics_at, self._metrics_scored = now, step
 

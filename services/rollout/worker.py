@@ -25,16 +25,14 @@ from jetroll.shared.model.model import load_pretrained
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
-from jetroll.shared.protocol.ledger import IN_FLIGHT
+from jetroll.shared.protocol.in_flight import InFlightIndex
+from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, groups_stream
 from jetroll.shared.store import WeightStore, WeightStoreError
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.rollout")
-
-REWARD_GROUP = "reward"
-
 
 @dataclass(slots=True)
 class InFlightGroup:
@@ -52,7 +50,8 @@ class RolloutWorker:
         self.store = store
         self.consumer = consumer
         self.pool = config.rollout.pool(pool) if pool else config.rollout.pools[0]
-        self.stream = f"groups:{self.pool.name}"
+        self.stream = groups_stream(self.pool.name)
+        self.in_flight = InFlightIndex(bus)
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine: Engine | TimingEngine | None = None
@@ -68,7 +67,7 @@ class RolloutWorker:
         self.serving_since = self.ticked_at = time.monotonic()
 
     async def run(self) -> None:
-        await self.bus.ensure_group(self.stream, "rollout")
+        await self.bus.ensure_group(self.stream.name, self.stream.group)
         version = await self._wait_for_weights()
         self.engine = self._setup_engine(await self.store.fetch(version))
         self.engine.version = version
@@ -109,7 +108,7 @@ class RolloutWorker:
         last_id = "0-0"
         polled_at = time.monotonic()
         while True:
-            last_id, events = await self.bus.tail("weights", last_id, block_ms=1000)
+            last_id, events = await self.bus.tail(WEIGHTS, last_id, block_ms=1000)
             # 0 stands for "nothing new": a serving worker is at version 0 or later
             newest = max((e.version for e in events if isinstance(e, WeightsPublishedEvent)), default=0)
             if time.monotonic() - polled_at >= self.config.store.poll_interval_s:
@@ -138,7 +137,7 @@ class RolloutWorker:
         claims_kept_at = time.monotonic()
         while True:
             if time.monotonic() - claims_kept_at > self.config.redis.claim_idle_ms / 3000:
-                await self.bus.keep_claimed(self.stream, "rollout", self.consumer,
+                await self.bus.keep_claimed(self.stream.name, self.stream.group, self.consumer,
                                             [g.entry_id for g in self.groups.values()])
                 claims_kept_at = time.monotonic()
             await self._swap_pending()
@@ -148,15 +147,15 @@ class RolloutWorker:
             num_free = engine.num_free_slots - (self.turns.num_resetting if self.turns is not None else 0)
             if num_free > 0:  # a free slot pulls a whole group; its other samples wait in the engine
                 num_groups = math.ceil(num_free / self.config.trainer.group_size)
-                deliveries = await self.bus.consume(self.stream, "rollout", self.consumer, count=num_groups,
+                deliveries = await self.bus.consume(self.stream.name, self.stream.group, self.consumer,
+                                                    count=num_groups,
                                                     block_ms=0 if engine.has_work or num_env_pending else 200)
                 for delivery in deliveries:
                     assert isinstance(delivery.event, GroupEvent)
                     await self._start(delivery.event, delivery.entry_id)
                 if deliveries:
                     # a group's oldest token is at least this version: the trainer's eta_hard wait goes by it
-                    await self.bus.redis.zadd(self.bus.key(IN_FLIGHT), {d.event.group_id: engine.version
-                                                                        for d in deliveries}, xx=True, lt=True)
+                    await self.in_flight.started([d.event.group_id for d in deliveries], engine.version)
             if not engine.has_work:
                 if num_env_pending:
                     assert self.turns is not None
@@ -216,7 +215,7 @@ class RolloutWorker:
             self.turns.start(request, task.make_env(), Problem(group.prompt, group.answer))
 
     async def _emit(self, finished: list[Request]) -> None:
-        await self.bus.wait_for_capacity("traj:raw", REWARD_GROUP, self.config.redis.max_lag)
+        await self.bus.wait_for_capacity(TRAJ_RAW.name, TRAJ_RAW.group, self.config.redis.max_lag)
         events, done_groups = [], []
         for request in finished:
             group_id, sample = request.request_id.rsplit(":", 1)
@@ -228,9 +227,9 @@ class RolloutWorker:
             flight.num_pending -= 1
             if flight.num_pending == 0:
                 done_groups.append(self.groups.pop(group_id))
-        await self.bus.publish_many("traj:raw", events)
+        await self.bus.publish_many(TRAJ_RAW.name, events)
         if done_groups:  # ack a Group only after all its samples are emitted
-            await self.bus.ack(self.stream, "rollout", *(g.entry_id for g in done_groups))
+            await self.bus.ack(self.stream.name, self.stream.group, *(g.entry_id for g in done_groups))
             self._tick()
             self.num_trajectories += len(events)
             await self._metrics({"tokens_per_s": self.num_tokens / max(self.busy_s, 1e-9),
@@ -260,7 +259,7 @@ class RolloutWorker:
 
     async def _metrics(self, values: dict[str, float]) -> None:
         assert self.engine is not None
-        await self.bus.publish_many("metrics", [
+        await self.bus.publish_many(METRICS, [
             # pool/<name>/ lets the controller total each pool over its workers
             MetricsEvent(job_id=self.config.job_id, service=self.consumer, name=f"pool/{self.pool.name}/{name}",
                          value=float(value),

@@ -18,7 +18,9 @@ from jetroll.shared.model.model import CausalLM, load_pretrained, load_state, sa
 from jetroll.shared.model.precision import published_dtype
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent
-from jetroll.shared.protocol.ledger import IN_FLIGHT, Ledger, Outcome
+from jetroll.shared.protocol.in_flight import InFlightIndex
+from jetroll.shared.protocol.ledger import Ledger, Outcome
+from jetroll.shared.protocol.topology import METRICS, TRAJ_SCORED, WEIGHTS
 from jetroll.shared.rl.admission import task_quotas
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
 from jetroll.shared.rl.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
@@ -30,7 +32,7 @@ from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.trainer")
 
-STREAM, GROUP = "traj:scored", "trainer"
+STREAM, GROUP = TRAJ_SCORED.name, TRAJ_SCORED.group
 WEIGHTS_KEPT = 256  # weights announcements kept: readers need the newest; a controller this far behind skips evals
 
 
@@ -67,6 +69,7 @@ class Trainer:
         self.store = store
         self.consumer = consumer
         self.ledger = Ledger(bus)
+        self.in_flight = InFlightIndex(bus)
         self.buffer = GroupBuffer()
         self.task_names = [task.name for task in config.tasks]
         self.quotas = task_quotas(config) if config.trainer.task_quotas else None
@@ -184,9 +187,7 @@ class Trainer:
         newest = self.version - self.config.staleness.eta_hard
         if newest < 0:
             return frozenset()
-        ids = await self.bus.redis.zrangebyscore(self.bus.key(IN_FLIGHT), "-inf", newest, start=0,
-                                                 num=self.config.trainer.groups_per_step)
-        return frozenset(i.decode() for i in ids)
+        return await self.in_flight.oldest_at_or_below(newest, self.config.trainer.groups_per_step)
 
     def _held_entry(self, event: ScoredEvent) -> str | None:
         group = self.buffer.groups.get(event.trajectory.group_id) or self.training.get(event.trajectory.group_id)
@@ -327,7 +328,7 @@ class Trainer:
         await self.store.retain(self.config.store.keep_last)
 
     async def _announce(self, manifest: Manifest) -> None:
-        await self.bus.publish("weights", WeightsPublishedEvent(
+        await self.bus.publish(WEIGHTS, WeightsPublishedEvent(
             job_id=self.config.job_id, version=manifest.version, step=manifest.step,
             manifest_uri=self.store.uri(manifest.version), shard_sha256={s.key: s.sha256 for s in manifest.shards},
             size_bytes=sum(s.size_bytes for s in manifest.shards), precision_id=manifest.precision_id),
@@ -388,4 +389,4 @@ class Trainer:
                                step=self.version) for name, value in stats.items()]
         events.append(MetricsEvent(job_id=self.config.job_id, service="trainer", name="step_done", value=1.0,
                                    step=self.version))
-        await self.bus.publish_many("metrics", events)
+        await self.bus.publish_many(METRICS, events)

@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
 from jetroll.shared.protocol.events import AnyEvent, Event, EventDecodeError, decode, encode
+from jetroll.shared.protocol.topology import DLQ, DLQ_KEPT, job_key
 
 FIELD = b"e"  # every entry holds one encoded event under this field
-DLQ = "dlq"
-DLQ_KEPT = 10_000  # dead letters kept per job (about the newest; XADD MAXLEN ~)
 TRIM_EVERY_S = 1.0  # a consumer trims a stream past every group's acks on at most this often, after an ack
 
 
@@ -27,7 +27,8 @@ class Delivery:
     times_delivered: int
 
 
-def _s(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
+    """A reply field as text (RESP2 replies are bytes)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -41,7 +42,7 @@ def _next_id(entry_id: str) -> str:
     return f"{ms}-{seq + 1}"
 
 
-def _stream_entries(response: Any) -> list[tuple[Any, Any]]:
+def stream_entries(response: Any) -> list[tuple[Any, Any]]:
     """Entries of the single stream in an XREAD/XREADGROUP reply (RESP2 list or RESP3 dict shape)."""
     if not response:
         return []
@@ -50,9 +51,25 @@ def _stream_entries(response: Any) -> list[tuple[Any, Any]]:
     return response[0][1]
 
 
-def job_key(job_id: str, name: str) -> str:
-    """The Redis key of one job's stream, hash or set: every job lives under its own prefix."""
-    return f"jetroll:{job_id}:{name}"
+def connect(url: str) -> aioredis.Redis:
+    """A client of jetroll's Redis; RESP2 pinned, so reply shapes are the same on every server version."""
+    return aioredis.Redis.from_url(url, protocol=2)
+
+
+class RedisUnreachable(Exception):
+    """No Redis server answered at a URL."""
+
+
+def server_version(url: str, *, connect_timeout_s: float = 3.0, timeout_s: float = 3.0) -> str:
+    """PING the server at `url` and return its version; RedisUnreachable when it does not answer."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+    try:
+        client.ping()
+        return str(client.info("server")["redis_version"])
+    except redis.RedisError as exc:
+        raise RedisUnreachable(f"cannot reach Redis at {url}: {exc}") from exc
+    finally:
+        client.close()
 
 
 class RedisBus:
@@ -68,15 +85,14 @@ class RedisBus:
         self.claim_idle_ms = claim_idle_ms
         self.trim_every_s = trim_every_s
         self._trimmed_at: dict[str, float] = {}  # stream -> monotonic time of its last trim by this bus
-        # RESP2 pinned so reply shapes are the same on every server version.
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(url, protocol=2)
+        self.redis = connect(url)
 
     def key(self, name: str) -> str:
         return job_key(self.job_id, name)
 
     async def publish(self, stream: str, event: Event, *, maxlen: int | None = None) -> str:
         """XADD one event, keeping only the newest `maxlen` entries when given; returns its entry id."""
-        return _s(await self.redis.xadd(self.key(stream), {FIELD: encode(event)}, maxlen=maxlen, approximate=False))
+        return as_str(await self.redis.xadd(self.key(stream), {FIELD: encode(event)}, maxlen=maxlen, approximate=False))
 
     async def publish_many(self, stream: str, events: list[Event]) -> list[str]:
         """XADD several events in one pipeline; returns their entry ids in order."""
@@ -85,7 +101,7 @@ class RedisBus:
         async with self.redis.pipeline(transaction=False) as pipe:
             for event in events:
                 pipe.xadd(self.key(stream), {FIELD: encode(event)})
-            return [_s(entry_id) for entry_id in await pipe.execute()]
+            return [as_str(entry_id) for entry_id in await pipe.execute()]
 
     async def publish_indexed(self, stream: str, events: list[Event], index: str, scores: dict[str, float]) -> None:
         """XADD events and ZADD `scores` (member -> score) to the sorted set `index`, in one transaction: a reader
@@ -118,8 +134,8 @@ class RedisBus:
         block = block_ms if block_ms > 0 else None
         reply = await self.redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=block)
         out = []
-        for raw_id, fields in _stream_entries(reply):
-            delivery = await self._accept(stream, group, _s(raw_id), fields, times_delivered=1)
+        for raw_id, fields in stream_entries(reply):
+            delivery = await self._accept(stream, group, as_str(raw_id), fields, times_delivered=1)
             if delivery is not None:
                 out.append(delivery)
         return out
@@ -128,7 +144,7 @@ class RedisBus:
         key = self.key(stream)
         reply = await self.redis.xautoclaim(key, group, consumer, self.claim_idle_ms, "0-0", count=count)
         # 7.x drops deleted entries from the PEL and lists their ids apart; 6.2 returns them as nil.
-        claimed = [(_s(raw_id), fields) for raw_id, fields in reply[1] if raw_id is not None]
+        claimed = [(as_str(raw_id), fields) for raw_id, fields in reply[1] if raw_id is not None]
         if len(claimed) < len(reply[1]):
             await self._ack_deleted(stream, group, consumer)
         if not claimed:
@@ -153,7 +169,7 @@ class RedisBus:
         """Redis 6.2: ack this consumer's pending entries that no longer exist, so lag stops counting them."""
         key = self.key(stream)
         pending = await self.redis.xpending_range(key, group, min="-", max="+", count=1000, consumername=consumer)
-        ids = [_s(p["message_id"]) for p in pending]
+        ids = [as_str(p["message_id"]) for p in pending]
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry_id in ids:
                 pipe.xrange(key, min=entry_id, max=entry_id, count=1)
@@ -204,11 +220,11 @@ class RedisBus:
         if await self.redis.hsetnx(key, member, entry_id):
             return True
         owner = await self.redis.hget(key, member)
-        return owner is not None and _s(owner) == entry_id
+        return owner is not None and as_str(owner) == entry_id
 
     async def claimed(self, name: str) -> list[str]:
         """The members claimed in the hash `name`."""
-        return [_s(member) for member in await self.redis.hkeys(self.key(name))]
+        return [as_str(member) for member in await self.redis.hkeys(self.key(name))]
 
     async def release(self, name: str, members: list[str]) -> None:
         """Forget the claims of `members` in the hash `name`: the next entry carrying one claims it anew."""
@@ -232,7 +248,7 @@ class RedisBus:
         pending = int(info["pending"])
         unread = info.get("lag")
         if unread is None:
-            last_delivered = _s(info["last-delivered-id"])
+            last_delivered = as_str(info["last-delivered-id"])
             if last_delivered == "0-0":
                 unread = await self.redis.xlen(key)  # nothing delivered yet: every entry is unread
             else:
@@ -242,7 +258,7 @@ class RedisBus:
 
     async def _group_info(self, stream: str, group: str) -> dict[str, Any]:
         for info in await self.redis.xinfo_groups(self.key(stream)):
-            if _s(info["name"]) == group:
+            if as_str(info["name"]) == group:
                 return info
         raise ValueError(f"no consumer group {group!r} on stream {self.key(stream)!r}")
 
@@ -271,8 +287,8 @@ class RedisBus:
         block = block_ms if block_ms > 0 else None
         reply = await self.redis.xread({self.key(stream): last_id}, count=count, block=block)
         events = []
-        for raw_id, fields in _stream_entries(reply):
-            last_id = _s(raw_id)
+        for raw_id, fields in stream_entries(reply):
+            last_id = as_str(raw_id)
             delivery = await self._accept(stream, None, last_id, fields, times_delivered=1)
             if delivery is not None:
                 events.append(delivery.event)
@@ -289,9 +305,9 @@ class RedisBus:
         """All dlq records, oldest first; `payload` stays bytes, other fields are str."""
         out = []
         for raw_id, fields in await self.redis.xrange(self.key(DLQ)):
-            record: dict[str, str | bytes] = {"dlq_id": _s(raw_id)}
+            record: dict[str, str | bytes] = {"dlq_id": as_str(raw_id)}
             for name, value in fields.items():
-                record[_s(name)] = value if name == b"payload" else _s(value)
+                record[as_str(name)] = value if name == b"payload" else as_str(value)
             out.append(record)
         return out
 
@@ -309,11 +325,11 @@ class RedisBus:
         boundaries = []
         for info in groups:
             # Everything up to last-delivered-id that is not pending has been acked by this group.
-            boundary = _next_id(_s(info["last-delivered-id"]))
+            boundary = _next_id(as_str(info["last-delivered-id"]))
             if int(info["pending"]):
                 summary = await self.redis.xpending(key, info["name"])
                 if summary["min"] is not None:  # None: acked since XINFO, e.g. by a concurrent ack of this consumer
-                    boundary = min(boundary, _s(summary["min"]), key=_id_tuple)
+                    boundary = min(boundary, as_str(summary["min"]), key=_id_tuple)
             boundaries.append(boundary)
         min_id = min(boundaries, key=_id_tuple)
         return int(await self.redis.xtrim(key, minid=min_id, approximate=False))
@@ -331,7 +347,7 @@ class RedisBus:
         (a reward backend's records, `reward:celery:<traj_id>:<attempt>`) are summed as `reward:celery:*`."""
         prefix = self.key("")
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"  # a job_id is matched literally
-        names = sorted({_s(key) async for key in self.redis.scan_iter(match=pattern, count=1000)})
+        names = sorted({as_str(key) async for key in self.redis.scan_iter(match=pattern, count=1000)})
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.memory_usage(name, samples=0)

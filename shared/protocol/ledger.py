@@ -15,16 +15,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.topology import IN_FLIGHT, LEDGER, LEDGER_TOTALS
 
 GROUP_ID = "g%07d"  # a group's id from its admission index 1, 2, ...: ids sort in admission order
-
-# sorted set group_id -> oldest version its tokens can carry, over groups admitted but not yet trained or dropped.
-# The controller adds a group at v_adm in the transaction that publishes it; a rollout worker lowers the score to the
-# version it starts the group with (it may not have swapped to v_adm yet); the trainer removes the group in the
-# transaction that records it in the ledger, and waits for any group that would otherwise pass eta_hard.
-IN_FLIGHT = "in_flight"
-
-OUTCOMES, TOTALS = "ledger", "ledger:totals"
 
 # KEYS: outcomes hash, totals hash, in-flight set. ARGV: GROUP_ID, keep_groups, then per group: id, status,
 # num_samples, step, outcome JSON. A group is counted only when it is first recorded: not in the prefix, not in the
@@ -107,8 +100,8 @@ class Ledger:
         if not ids:
             return set()
         async with self.bus.redis.pipeline(transaction=True) as pipe:  # one view: a fold moves groups to the prefix
-            pipe.hmget(self.bus.key(OUTCOMES), ids)
-            pipe.hget(self.bus.key(TOTALS), "prefix")
+            pipe.hmget(self.bus.key(LEDGER), ids)
+            pipe.hget(self.bus.key(LEDGER_TOTALS), "prefix")
             found, prefix = await pipe.execute()
         below = int(prefix or 1)
         return {g for g, outcome in zip(ids, found, strict=True)
@@ -122,16 +115,16 @@ class Ledger:
         args: list[Any] = [GROUP_ID, keep_groups]
         for group, outcome in outcomes.items():
             args += [group, outcome.status, outcome.num_samples, outcome.step, json.dumps(asdict(outcome))]
-        keys = [self.bus.key(OUTCOMES), self.bus.key(TOTALS), self.bus.key(IN_FLIGHT)]
+        keys = [self.bus.key(LEDGER), self.bus.key(LEDGER_TOTALS), self.bus.key(IN_FLIGHT)]
         await self._record(keys=keys, args=args)
 
     async def outcomes(self) -> dict[str, Outcome]:
         """The outcomes still kept: the newest of the prefix and every group recorded above it."""
-        raw = await self.bus.redis.hgetall(self.bus.key(OUTCOMES))
+        raw = await self.bus.redis.hgetall(self.bus.key(LEDGER))
         return {k.decode(): Outcome(**json.loads(v)) for k, v in raw.items()}
 
     async def totals(self) -> LedgerTotals:
-        raw = {k.decode(): int(v) for k, v in (await self.bus.redis.hgetall(self.bus.key(TOTALS))).items()}
+        raw = {k.decode(): int(v) for k, v in (await self.bus.redis.hgetall(self.bus.key(LEDGER_TOTALS))).items()}
         return LedgerTotals(
             num_groups={k.removeprefix("groups:"): v for k, v in raw.items() if k.startswith("groups:")},
             num_samples={k.removeprefix("samples:"): v for k, v in raw.items() if k.startswith("samples:")},

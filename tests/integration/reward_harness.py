@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from jetroll.services.reward.backends.base import RewardBackend
-from jetroll.services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, RewardRouter
+from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.topology import TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import TASKS, register_task
 
@@ -123,7 +124,7 @@ async def running_router(redis_url: str, job_id: str, backends: Mapping[str, Rew
     bus = RedisBus(redis_url, job_id, claim_idle_ms=2000)
     kwargs.setdefault("default_backend", next(iter(backends)))
     router = RewardRouter(bus, backends, detokenize, consumer="r0", block_ms=100, metrics_every_s=0.0, **kwargs)
-    await bus.ensure_group(RAW_STREAM, GROUP)
+    await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
     runner = asyncio.create_task(router.run())
     try:
         yield bus, router
@@ -136,11 +137,11 @@ async def running_router(redis_url: str, job_id: str, backends: Mapping[str, Rew
 async def wait_scored(bus: RedisBus, num_expected: int, timeout_s: float, grace_s: float = 1.0) -> list[ScoredEvent]:
     """All Scored events once `num_expected` exist, after `grace_s` more (would a duplicate show up late?)."""
     deadline = time.monotonic() + timeout_s
-    while await bus.redis.xlen(bus.key(SCORED_STREAM)) < num_expected:
+    while await bus.redis.xlen(bus.key(TRAJ_SCORED.name)) < num_expected:
         assert time.monotonic() < deadline, f"fewer than {num_expected} scored events after {timeout_s}s"
         await asyncio.sleep(0.05)
     await asyncio.sleep(grace_s)
-    _, scored = await bus.tail(SCORED_STREAM, block_ms=0, count=10_000)
+    _, scored = await bus.tail(TRAJ_SCORED.name, block_ms=0, count=10_000)
     assert all(isinstance(e, ScoredEvent) for e in scored)
     return scored
 

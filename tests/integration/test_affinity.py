@@ -100,10 +100,10 @@ def test_failing_environments_are_all_counted(model_dir: Path, redis_url: str, t
                      if isinstance(t, TrajectoryEvent) and t.env_status != "ok"}
     summary = result["summary"]
     ledger = read_ledger(redis_url, result["job_id"])
-    dropped = {g for g, outcome in ledger.items() if outcome["status"] != "trained"}
+    dropped = {g for g, outcome in ledger.items() if outcome.status != "trained"}
     assert summary["steps"] == STEPS and dropped
     # every dropped group is counted under its status, and each one had a failed environment
-    assert {outcome["status"] for g, outcome in ledger.items() if g in dropped} == {"dropped:env_fail"}
+    assert {outcome.status for g, outcome in ledger.items() if g in dropped} == {"dropped:env_fail"}
     assert summary["dropped_by_status"] == {"env_fail": len(dropped)} and summary["groups_dropped"] == len(dropped)
     assert dropped <= failed_groups
     # a failed group not in the ledger was still being scored when the job reached max_steps

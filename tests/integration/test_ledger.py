@@ -15,7 +15,8 @@ from jetroll.services.controller.controller import Controller
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import WeightsPublishedEvent
-from jetroll.shared.protocol.ledger import IN_FLIGHT, Ledger, Outcome, admission_index, group_id
+from jetroll.shared.protocol.ledger import Ledger, Outcome, admission_index, group_id
+from jetroll.shared.protocol.topology import IN_FLIGHT
 from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration

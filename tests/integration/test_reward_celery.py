@@ -27,8 +27,8 @@ from reward_harness import (
 from jetroll.functions.celery_app import MAX_RUNS
 from jetroll.services.reward.backends import setup_backend
 from jetroll.services.reward.celery_worker import CeleryWorker
-from jetroll.services.reward.router import RAW_STREAM
 from jetroll.shared.config import RewardConfig
+from jetroll.shared.protocol.topology import TRAJ_RAW
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +83,7 @@ def test_pool_child_killed_mid_task_is_redelivered_and_scored_once(
     async def scenario() -> list:
         async with started(setup_backend("celery", config, redis_url=redis_url, job_id=job)) as celery, \
                 running_router(redis_url, job, {"celery": celery}) as (bus, _):
-            await bus.publish(RAW_STREAM, traj(job, "k0:0", "t_pid_sleep", "1.5", str(pid_file)))
+            await bus.publish(TRAJ_RAW.name, traj(job, "k0:0", "t_pid_sleep", "1.5", str(pid_file)))
             (child,) = await wait_for_pids(pid_file, 1)
             assert child != worker.pid and os.getpgid(child) == worker.pid  # a pool child, not the worker
             os.kill(child, signal.SIGKILL)
@@ -109,7 +109,7 @@ def test_whole_worker_killed_is_redelivered_after_visibility_timeout_and_scored_
     async def scenario() -> tuple[list, float, CeleryWorker]:
         async with started(setup_backend("celery", config, redis_url=redis_url, job_id=job)) as celery, \
                 running_router(redis_url, job, {"celery": celery}) as (bus, _):
-            await bus.publish(RAW_STREAM, traj(job, "w0:0", "t_pid_sleep", "1.5", str(pid_file)))
+            await bus.publish(TRAJ_RAW.name, traj(job, "w0:0", "t_pid_sleep", "1.5", str(pid_file)))
             await wait_for_pids(pid_file, 1)
             killed_at = time.monotonic()
             doomed.kill(signal.SIGKILL)  # main process and pool children: nothing can ack or requeue
@@ -137,8 +137,8 @@ def test_time_limits_are_timeouts_never_reward_zero(
     async def scenario() -> list:
         async with started(setup_backend("celery", config, redis_url=redis_url, job_id=job)) as celery, \
                 running_router(redis_url, job, {"celery": celery}, max_retries=1) as (bus, _):
-            await bus.publish(RAW_STREAM, traj(job, "t0:0", "t_sleep", "30", ""))  # stopped by the soft limit
-            await bus.publish(RAW_STREAM, traj(job, "t1:0", "t_stubborn", "30", ""))  # only the hard limit works
+            await bus.publish(TRAJ_RAW.name, traj(job, "t0:0", "t_sleep", "30", ""))  # stopped by the soft limit
+            await bus.publish(TRAJ_RAW.name, traj(job, "t1:0", "t_stubborn", "30", ""))  # only the hard limit works
             return await wait_scored(bus, 2, timeout_s=40)
 
     with reward_tasks(t_sleep="test_sleep", t_stubborn="test_stubborn"):
@@ -165,10 +165,10 @@ def test_failures_are_errors_and_a_call_delivered_too_often_is_not_run_again(
     async def scenario() -> list:
         async with started(setup_backend("celery", config, redis_url=redis_url, job_id=job)) as celery, \
                 running_router(redis_url, job, {"celery": celery}, max_retries=1) as (bus, _):
-            await bus.publish(RAW_STREAM, traj(job, "e0:0", "t_raise", "x", ""))
-            await bus.publish(RAW_STREAM, traj(job, "e1:0", "t_exit", "x", ""))
-            await bus.publish(RAW_STREAM, traj(job, "e2:0", "arithmetic", "12", "12"))
-            await bus.publish(RAW_STREAM, traj(job, "e3:0", "arithmetic", "7", "7", env_status="tool_crashed"))
+            await bus.publish(TRAJ_RAW.name, traj(job, "e0:0", "t_raise", "x", ""))
+            await bus.publish(TRAJ_RAW.name, traj(job, "e1:0", "t_exit", "x", ""))
+            await bus.publish(TRAJ_RAW.name, traj(job, "e2:0", "arithmetic", "12", "12"))
+            await bus.publish(TRAJ_RAW.name, traj(job, "e3:0", "arithmetic", "7", "7", env_status="tool_crashed"))
             return await wait_scored(bus, 4, timeout_s=60)
 
     with reward_tasks(t_raise="test_raise", t_exit="test_exit"):

@@ -16,9 +16,9 @@ from reward_harness import REWARD_MODULES, by_traj_id, reward_tasks, running_rou
 from jetroll.functions.lambda_local import DEFAULT_FUNCTION, FunctionSpec, LocalLambda
 from jetroll.services.reward.backends import setup_backend
 from jetroll.services.reward.backends.base import RewardCall
-from jetroll.services.reward.router import RAW_STREAM
 from jetroll.shared.config import RewardConfig
 from jetroll.shared.protocol.events import ScoredEvent
+from jetroll.shared.protocol.topology import TRAJ_RAW
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +63,7 @@ def route(redis_url: str, config: RewardConfig, events: list, **router_kwargs: o
                                max_throttle_retries=config.max_throttle_retries,
                                throttle_backoff_s=config.throttle_backoff_s, **router_kwargs) as (bus, _):
             for event in events:
-                await bus.publish(RAW_STREAM, event)
+                await bus.publish(TRAJ_RAW.name, event)
             return await wait_scored(bus, len(events), timeout_s=60)
 
     return by_traj_id(asyncio.run(scenario()))
@@ -122,7 +122,7 @@ def test_throttled_past_its_retries_is_final_and_never_invoked(
             await asyncio.sleep(1.0)  # the hog holds the only environment (cold start included)
             async with running_router(redis_url, job, {"lambda": backend}, max_throttle_retries=2,
                                       throttle_backoff_s=0.05) as (bus, _):
-                await bus.publish(RAW_STREAM, traj(job, "h1:0", "arithmetic", "1", "1"))
+                await bus.publish(TRAJ_RAW.name, traj(job, "h1:0", "arithmetic", "1", "1"))
                 scored = await wait_scored(bus, 1, timeout_s=30, grace_s=0.2)
             return scored, await hog
 

@@ -14,10 +14,11 @@ import pytest
 
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
-from jetroll.services.reward.router import GROUP, RAW_STREAM, SCORED_STREAM, SEEN_KEY, RewardRouter
+from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.ledger import Ledger, Outcome, group_id
+from jetroll.shared.protocol.topology import SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import TASKS, register_task
 
@@ -86,13 +87,13 @@ async def route(
     router = RewardRouter(bus, {"local": LocalBackend(pool)}, detokenize, consumer="r0", max_retries=1, block_ms=100,
                           metrics_every_s=0.0, forget_every_s=0.0)
     try:
-        await bus.ensure_group(RAW_STREAM, GROUP)
+        await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
         await Ledger(bus).record({g: Outcome(1, "trained", 2) for g in recorded}, keep_groups=0)
         for event in events:
-            await bus.publish(RAW_STREAM, event)
+            await bus.publish(TRAJ_RAW.name, event)
         runner = asyncio.create_task(router.run())
         deadline = time.monotonic() + 30
-        while await bus.redis.xlen(bus.key(SCORED_STREAM)) < num_expected:
+        while await bus.redis.xlen(bus.key(TRAJ_SCORED.name)) < num_expected:
             assert time.monotonic() < deadline, "router did not score everything in time"
             assert not runner.done(), runner.exception()
             await asyncio.sleep(0.05)
@@ -101,10 +102,10 @@ async def route(
         stopped, _ = await asyncio.wait({runner}, timeout=30)
         assert stopped, "the router did not stop after its current read"
         runner.result()
-        _, scored = await bus.tail(SCORED_STREAM, block_ms=0)
-        pending = (await bus.redis.xpending(bus.key(RAW_STREAM), GROUP))["pending"]
+        _, scored = await bus.tail(TRAJ_SCORED.name, block_ms=0)
+        pending = (await bus.redis.xpending(bus.key(TRAJ_RAW.name), TRAJ_RAW.group))["pending"]
         _, metrics = await bus.tail("metrics", block_ms=0)
-        seen = sorted(m.decode() for m in await bus.redis.hkeys(bus.key(SEEN_KEY)))
+        seen = sorted(m.decode() for m in await bus.redis.hkeys(bus.key(SEEN_REWARD)))
         return scored, pending, router.counts, metrics, seen
     finally:
         pool.close()
@@ -161,9 +162,9 @@ def test_redelivery_of_claimed_entry_is_still_scored(redis_url: str) -> None:
 
     async def crashed_claimant() -> None:
         bus = RedisBus(redis_url, job)
-        await bus.ensure_group(RAW_STREAM, GROUP)
-        entry_id = await bus.publish(RAW_STREAM, event)
-        await bus.redis.hset(bus.key(SEEN_KEY), "c0:0", entry_id)
+        await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
+        entry_id = await bus.publish(TRAJ_RAW.name, event)
+        await bus.redis.hset(bus.key(SEEN_REWARD), "c0:0", entry_id)
         await bus.close()
 
     asyncio.run(crashed_claimant())

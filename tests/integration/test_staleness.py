@@ -35,7 +35,7 @@ from jetroll.shared.protocol.events import (
     WeightsPublishedEvent,
     decode,
 )
-from jetroll.shared.protocol.ledger import IN_FLIGHT
+from jetroll.shared.protocol.topology import IN_FLIGHT
 from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration

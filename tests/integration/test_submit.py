@@ -24,10 +24,11 @@ import redis
 from helpers import JETROLL
 
 from jetroll.services.launch import watch
-from jetroll.services.launch.jobs import ACTIVE, DLQ, JOBS, STATUS, load_job_config
+from jetroll.services.launch.jobs import load_job_config
 from jetroll.shared.config import ConfigError, load_config
 from jetroll.shared.protocol.bus import FIELD
 from jetroll.shared.protocol.events import JobEvent, MetricsEvent, encode
+from jetroll.shared.protocol.topology import ACTIVE, JOBS, JOBS_DLQ, STATUS
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +47,9 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subp
 def jobs_redis(redis_url: str) -> Iterator[redis.Redis]:
     """The session's Redis with the global job keys cleared: every test starts with an empty queue and board."""
     client = redis.Redis.from_url(redis_url)
-    client.delete(JOBS, ACTIVE, STATUS, DLQ)
+    client.delete(JOBS.name, ACTIVE, STATUS, JOBS_DLQ)
     yield client
-    client.delete(JOBS, ACTIVE, STATUS, DLQ)
+    client.delete(JOBS.name, ACTIVE, STATUS, JOBS_DLQ)
     client.close()
 
 
@@ -130,7 +131,7 @@ def test_controller_watcher_dead_letters_bad_jobs_and_runs_the_rest(jobs_redis: 
                     encode(MetricsEvent(job_id="m", service="x", name="y", value=1.0, step=0)),
                     job("badlr", trainer={"lr": -1}), job("mismatch", job_id="other"),
                     job("boom"), job("good1"), job("good2")):
-        jobs_redis.xadd(JOBS, {FIELD: payload})
+        jobs_redis.xadd(JOBS.name, {FIELD: payload})
 
     async def scenario() -> None:
         watcher = asyncio.create_task(watch.watch_jobs(redis_url, runs, "controller-test",
@@ -166,15 +167,15 @@ def test_controller_watcher_dead_letters_bad_jobs_and_runs_the_rest(jobs_redis: 
         assert record["submitted_at"] <= record["started_at"] <= record["finished_at"]
         assert record["run_dir"] == str((runs / job_id).resolve())
     assert board["good1"]["finished_at"] <= board["good2"]["started_at"]  # one at a time, in order
-    dlq = [{k.decode(): v for k, v in fields.items()} for _, fields in jobs_redis.xrange(DLQ)]
+    dlq = [{k.decode(): v for k, v in fields.items()} for _, fields in jobs_redis.xrange(JOBS_DLQ)]
     reasons = [r["reason"].decode() for r in dlq]
     assert len(reasons) == 5, reasons
     assert sum(r.startswith("undecodable event") for r in reasons) == 2, reasons
     assert "expected a job event, got a metrics event" in reasons
-    assert all(r["stream"] == JOBS.encode() and r["payload"] for r in dlq)
+    assert all(r["stream"] == JOBS.name.encode() and r["payload"] for r in dlq)
     announced = [msgspec.msgpack.decode(f[FIELD])["job_id"] for _, f in jobs_redis.xrange(ACTIVE)]
     assert announced == ["boom", "good1", "good2"]
-    assert jobs_redis.xinfo_groups(JOBS)[0]["pending"] == 0  # every entry acked, bad ones included
+    assert jobs_redis.xinfo_groups(JOBS.name)[0]["pending"] == 0  # every entry acked, bad ones included
 
 
 def test_services_join_running_jobs_leave_ended_ones_and_fail_them_after_restarts(
@@ -284,8 +285,8 @@ def test_submitted_jobs_run_on_watching_services(stack: Stack, jobs_redis: redis
     for name in ("trainer", "reward"):
         stack.start(name, name, "--watch", "--runs-dir", str(stack.runs_dir), "--heartbeat-file",
                     str(tmp_path / f"{name}.beat"))
-    jobs_redis.xadd(JOBS, {FIELD: b"\x92not-an-event"})
-    jobs_redis.xadd(JOBS, {FIELD: encode(JobEvent(job_id="badjob", config={"trainer": {"group_size": 0}}))})
+    jobs_redis.xadd(JOBS.name, {FIELD: b"\x92not-an-event"})
+    jobs_redis.xadd(JOBS.name, {FIELD: encode(JobEvent(job_id="badjob", config={"trainer": {"group_size": 0}}))})
     for job_id, steps in ((first, 4), (second, 2)):
         result = cli("submit", str(SMOKE), "--to", "redis", "--redis-url", stack.redis_url, "--set",
                      f"job_id={job_id}", "--set", f"model.cache_dir={cache}", "--set", f"trainer.max_steps={steps}")
@@ -310,7 +311,7 @@ def test_submitted_jobs_run_on_watching_services(stack: Stack, jobs_redis: redis
         assert summary["steps"] == steps and summary["accuracy_after"] == record["accuracy_after"]
     assert board[first]["finished_at"] <= board[second]["started_at"]
     assert board["badjob"]["status"] == "failed" and "trainer.group_size" in board["badjob"]["error"]
-    assert len(jobs_redis.xrange(DLQ)) == 2
+    assert len(jobs_redis.xrange(JOBS_DLQ)) == 2
     assert all((tmp_path / f"{name}.beat").is_file() for name in ("trainer", "reward"))
 
     table = cli("status", "--redis-url", stack.redis_url)

@@ -6,7 +6,7 @@ from jetroll.services.reward.backends.base import RewardBackend
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
 from jetroll.shared.config import RewardConfig
-from jetroll.shared.protocol.bus import job_key
+from jetroll.shared.protocol.topology import job_key
 
 BACKENDS = ("local", "celery", "lambda")
 

@@ -8,12 +8,10 @@ finds the key reads it instead of sending the task again.
 from __future__ import annotations
 
 import asyncio
-import json
-
-import redis.asyncio as aioredis
 
 from jetroll.functions.celery_app import TASK_NAME, make_app
 from jetroll.services.reward.backends.base import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
+from jetroll.shared.protocol.call_records import CeleryReplies
 
 WAIT_MARGIN_S = 5.0
 
@@ -37,32 +35,27 @@ class CeleryBackend(RewardBackend):
         super().__init__(concurrency)
         self.app = make_app(broker_url, soft_time_limit_s=soft_time_limit_s, hard_time_limit_s=hard_time_limit_s,
                             visibility_timeout_s=visibility_timeout_s, queue=queue)
-        self.key_prefix = key_prefix
         self.queue = queue
         self.soft_time_limit_s = soft_time_limit_s
         self.hard_time_limit_s = hard_time_limit_s
         # A task whose whole worker died runs again only after the visibility timeout, then up to the hard limit.
         self.wait_s = visibility_timeout_s + hard_time_limit_s + WAIT_MARGIN_S
         self.ttl_s = int(max(RECORD_TTL_S, 2 * self.wait_s))
-        # redis-py's default 5 s socket timeout would cut BLPOP short and could drop a reply it already popped
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(broker_url, protocol=2,
-                                                             socket_timeout=self.wait_s + WAIT_MARGIN_S)
+        self.replies = CeleryReplies(broker_url, key_prefix, self.wait_s)
 
     async def _score(self, call: RewardCall) -> Outcome:
-        key = f"{self.key_prefix}:{call.traj_id}:{call.attempt}"
-        kept = await self.redis.get(key)
+        key = self.replies.key(call.traj_id, call.attempt)
+        kept = await self.replies.kept(key)
         if kept is None:
             request = {**call.request(), "key": key, "ttl_s": self.ttl_s}
             # send_task blocks on a socket: keep it off the event loop
             await asyncio.to_thread(self.app.send_task, TASK_NAME, args=[request], queue=self.queue,
                                     soft_time_limit=self.soft_time_limit_s, time_limit=self.hard_time_limit_s)
-            reply = await self.redis.blpop([f"{key}:reply"], timeout=self.wait_s)
-            if reply is None:
+            kept = await self.replies.wait(key)
+            if kept is None:
                 return Outcome("timeout", detail=f"no outcome from a Celery worker within {self.wait_s:.0f}s")
-            kept = reply[1]
-            await self.redis.delete(f"{key}:reply")
-        return Outcome.from_reply(json.loads(kept))
+        return Outcome.from_reply(kept)
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        await self.replies.close()
         self.app.close()

@@ -16,14 +16,13 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import aioboto3
-import redis.asyncio as aioredis
 from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError, ReadTimeoutError
 
 from jetroll.services.reward.backends.base import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
+from jetroll.shared.protocol.call_records import INVOKING, LambdaRecords
 
 THROTTLE_CODES = frozenset({"TooManyRequestsException"})
-_INVOKING = b"invoking"
 
 
 class LambdaBackend(RewardBackend):
@@ -45,13 +44,12 @@ class LambdaBackend(RewardBackend):
         concurrency: int,
     ) -> None:
         super().__init__(concurrency)
-        self.key_prefix = key_prefix
         self.default_function = default_function
         self.functions = dict(functions)
         self.endpoint_url = endpoint_url
         self.region = region
         self.read_timeout_s = read_timeout_s
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(redis_url, protocol=2)
+        self.records = LambdaRecords(redis_url, key_prefix, RECORD_TTL_S)
         self._stack = AsyncExitStack()
         self._client: Any = None
 
@@ -69,24 +67,22 @@ class LambdaBackend(RewardBackend):
 
     async def close(self) -> None:
         await self._stack.aclose()
-        await self.redis.aclose()
+        await self.records.close()
 
     async def _score(self, call: RewardCall) -> Outcome:
         assert self._client is not None, "LambdaBackend.start() was not called"
-        key = f"{self.key_prefix}:{call.traj_id}"
-        if not await self.redis.set(key, _INVOKING, nx=True, ex=RECORD_TTL_S):
-            recorded = await self.redis.get(key)
-            if recorded is None or recorded == _INVOKING:
-                return Outcome("error", detail="an earlier invocation for this traj_id recorded no outcome; "
-                                               "not invoking twice")
+        recorded = await self.records.claim(call.traj_id)
+        if recorded == INVOKING:
+            return Outcome("error", detail="an earlier invocation for this traj_id recorded no outcome; "
+                                           "not invoking twice")
+        if recorded is not None:
             return Outcome.from_reply(json.loads(recorded))
         outcome = await self._invoke(call)
         if outcome.status == "throttled":
-            await self.redis.delete(key)  # the handler did not run: the router's retry may invoke
+            await self.records.release(call.traj_id)  # the handler did not run: the router's retry may invoke
         else:
-            record = {"status": outcome.status, "reward": outcome.reward, "correct": outcome.correct,
-                      "detail": outcome.detail}
-            await self.redis.set(key, json.dumps(record), ex=RECORD_TTL_S)
+            await self.records.keep(call.traj_id, {"status": outcome.status, "reward": outcome.reward,
+                                                   "correct": outcome.correct, "detail": outcome.detail})
         return outcome
 
     async def _invoke(self, call: RewardCall) -> Outcome:

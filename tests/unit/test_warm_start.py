@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from jetroll.functions.runner import get_reward
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.evaluate import evaluate
-from jetroll.services.trainer import init_model
+from jetroll.services.trainer import warm_start
 from jetroll.services.trainer.warm_start import build_base_model, config_hash, ensure_base_model
 from jetroll.shared.config import ModelConfig, WarmStartConfig, WarmStartError
 from jetroll.shared.model.model import load_pretrained
@@ -112,7 +112,7 @@ def test_ensure_base_model_builds_once(tmp_path: Path, monkeypatch: pytest.Monke
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("rebuilt a cached model")
 
-    monkeypatch.setattr(init_model, "build_base_model", fail)
+    monkeypatch.setattr(warm_start, "build_base_model", fail)
     assert ensure_base_model(config, progress=False) == path
     # the cache key ignores where the cache lives and what path says, but not the weights' recipe
     assert config_hash(config) == config_hash(tiny_config(cache_dir=tmp_path / "elsewhere"))
@@ -174,11 +174,11 @@ def _scripted_probe(monkeypatch: pytest.MonkeyPatch, accuracy_at: Callable[[int]
     The training steps stay real, so what is checked is where the pass stops and which weights it keeps."""
     asked: list[int] = []
 
-    def probe(self: init_model._SupervisedPass) -> float:
+    def probe(self: warm_start._SupervisedPass) -> float:
         asked.append(self.step)
         return accuracy_at(self.step)
 
-    monkeypatch.setattr(init_model._SupervisedPass, "probe_accuracy", probe)
+    monkeypatch.setattr(warm_start._SupervisedPass, "probe_accuracy", probe)
     return asked
 
 
@@ -235,7 +235,7 @@ def test_a_band_it_cannot_land_in_fails_the_build_and_caches_nothing(
 def test_init_model_prints_the_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     _scripted_probe(monkeypatch, lambda step: step / 100)
-    init_model.main(banded(100, (0.35, 0.5), eval_every=10).model_copy(update={"cache_dir": str(tmp_path)}))
+    warm_start.main(banded(100, (0.35, 0.5), eval_every=10).model_copy(update={"cache_dir": str(tmp_path)}))
     out = capsys.readouterr().out
     assert "warm start: 40 of at most 100 steps (stopped in target_band [35%, 50%])" in out
 

@@ -1,0 +1,48 @@
+"""The in-flight index, which the staleness bound rests on, and the admission counter beside it.
+
+The index is a sorted set, group_id -> the oldest version the group's tokens can carry, over groups admitted but not
+yet trained or dropped:
+- the controller adds a group at v_adm, in the transaction that publishes it;
+- a rollout worker lowers the score to the version it starts the group with (it may not have swapped to v_adm yet);
+- the trainer removes the group in the transaction that records it in the ledger (ledger.py), and waits for any
+  group that would otherwise pass eta_hard.
+"""
+
+from __future__ import annotations
+
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import GroupEvent
+from jetroll.shared.protocol.topology import IN_FLIGHT, NUM_ADMITTED, groups_stream
+
+
+class InFlightIndex:
+    def __init__(self, bus: RedisBus) -> None:
+        self.bus = bus
+
+    async def num_admitted(self) -> int:
+        """Groups admitted by every life of the controller so far."""
+        return int(await self.bus.redis.get(self.bus.key(NUM_ADMITTED)) or 0)
+
+    async def reserve(self, num: int) -> int:
+        """Count `num` more admitted groups; returns the admission index of the last (ids are never reused)."""
+        return int(await self.bus.redis.incrby(self.bus.key(NUM_ADMITTED), num))
+
+    async def admit(self, events: list[GroupEvent]) -> None:
+        """Publish groups on their pools' streams, each indexed at its v_adm in the same transaction."""
+        for pool in sorted({e.pool for e in events}):
+            batch = [e for e in events if e.pool == pool]
+            await self.bus.publish_indexed(groups_stream(pool).name, batch, IN_FLIGHT,
+                                           {e.group_id: e.v_adm for e in batch})
+
+    async def started(self, group_ids: list[str], version: int) -> None:
+        """A worker starts these groups at `version`: lower their scores to it (never raise them, never re-add)."""
+        if group_ids:
+            await self.bus.redis.zadd(self.bus.key(IN_FLIGHT), dict.fromkeys(group_ids, version), xx=True, lt=True)
+
+    async def members(self) -> set[str]:
+        return {member.decode() for member in await self.bus.redis.zrange(self.bus.key(IN_FLIGHT), 0, -1)}
+
+    async def oldest_at_or_below(self, version: int, limit: int) -> frozenset[str]:
+        """Up to `limit` groups, the oldest first, whose tokens may carry `version` or older."""
+        ids = await self.bus.redis.zrangebyscore(self.bus.key(IN_FLIGHT), "-inf", version, start=0, num=limit)
+        return frozenset(i.decode() for i in ids)
