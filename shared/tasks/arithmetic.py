@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
-from jetroll.shared.tasks.base import Problem, split_problems, training_problem
+from jetroll.shared.tasks.base import DrawnTask, Problem, training_problem
 
 
 @dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(DrawnTask):
     """`a+b=` / `a-b=` with operands 0..999; the answer is the exact integer (may be negative)."""
 
+    splits_seed: ClassVar[str] = "arithmetic"
     name: str = "arithmetic"
     reward: str = "arithmetic"
     max_new_tokens: int = 8
@@ -35,19 +37,7 @@ class ArithmeticTask:
 
         return operand(), rng.choice("+-"), operand()
 
-    def sample(self, rng: random.Random) -> Problem:
-        return training_problem(rng, self._draw, self.key, self.make)
-
     def sft_sample(self, rng: random.Random) -> Problem:
         # operand lengths drawn uniformly: the short problems teach the digit-wise algorithm, which a
         # from-scratch model otherwise finds only after a long plateau on uniform 3-digit operands
         return training_problem(rng, self._draw_digit_balanced, self.key, self.make)
-
-    def heldout(self, n: int) -> list[Problem]:
-        return split_problems(n, "heldout", self._draw, self.key, self.make, "arithmetic-heldout", 100 * n + 10_000)
-
-    def probe(self, n: int) -> list[Problem]:
-        return split_problems(n, "probe", self._draw, self.key, self.make, "arithmetic-probe", 500 * n + 10_000)
-
-    def sft_completion(self, problem: Problem) -> str:
-        return problem.answer

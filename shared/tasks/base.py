@@ -13,7 +13,7 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 HELDOUT_PERCENT = 10
 PROBE_PERCENT = 2
@@ -104,3 +104,36 @@ def split_problems(
     if len(problems) < n:
         raise ValueError(f"asked for {n} {split} problems; found {len(problems)} within the draw budget")
     return problems
+
+
+class DrawnTask:
+    """`sample`, `heldout`, `probe` and the warm start's defaults for a task that draws parameter tuples (`_draw`),
+    names each (`key`) and makes its problem (`make`). The split sets' RNG seeds start with `splits_seed`."""
+
+    splits_seed: ClassVar[str]
+
+    def _draw(self, rng: random.Random) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def key(self, *params: Any) -> str:
+        raise NotImplementedError
+
+    def make(self, *params: Any) -> Problem:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random) -> Problem:
+        return training_problem(rng, self._draw, self.key, self.make)
+
+    def heldout(self, n: int) -> list[Problem]:
+        return split_problems(n, "heldout", self._draw, self.key, self.make, f"{self.splits_seed}-heldout",
+                              100 * n + 10_000)
+
+    def probe(self, n: int) -> list[Problem]:
+        return split_problems(n, "probe", self._draw, self.key, self.make, f"{self.splits_seed}-probe",
+                              500 * n + 10_000)
+
+    def sft_sample(self, rng: random.Random) -> Problem:
+        return self.sample(rng)
+
+    def sft_completion(self, problem: Problem) -> str:
+        return problem.answer

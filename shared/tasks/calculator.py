@@ -6,13 +6,14 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
-from jetroll.shared.tasks.base import Problem, split_problems, training_problem
+from jetroll.shared.tasks.base import DrawnTask, Problem
 from jetroll.shared.tasks.env import EnvStep
 
 
 @dataclass(frozen=True)
-class CalculatorTask:
+class CalculatorTask(DrawnTask):
     """The multi-turn task: `347*829=` with 3-digit operands, answered with the exact product.
 
     The model may call the calculator: a turn `call 347*829` plus the turn end gets the observation `= 287663`
@@ -23,6 +24,7 @@ class CalculatorTask:
     some problems only and RL has room to learn to use it always.
     """
 
+    splits_seed: ClassVar[str] = "calculator"
     name: str = "calculator"
     reward: str = "calculator"
     max_new_tokens: int = 40  # completion budget, observations included: a call (13) + its result (9) + answer
@@ -44,18 +46,6 @@ class CalculatorTask:
 
     def _draw(self, rng: random.Random) -> tuple[int, int]:
         return rng.randint(self.min_operand, self.max_operand), rng.randint(self.min_operand, self.max_operand)
-
-    def sample(self, rng: random.Random) -> Problem:
-        return training_problem(rng, self._draw, self.key, self.make)
-
-    def heldout(self, n: int) -> list[Problem]:
-        return split_problems(n, "heldout", self._draw, self.key, self.make, "calculator-heldout", 100 * n + 10_000)
-
-    def probe(self, n: int) -> list[Problem]:
-        return split_problems(n, "probe", self._draw, self.key, self.make, "calculator-probe", 500 * n + 10_000)
-
-    def sft_sample(self, rng: random.Random) -> Problem:
-        return self.sample(rng)
 
     def sft_turns(self, problem: Problem) -> list[tuple[str, str]]:
         # the teacher's choice is a pure function of the problem, so the warm start stays a function of its seed

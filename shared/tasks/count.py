@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
-from jetroll.shared.tasks.base import Problem, split_problems, training_problem
+from jetroll.shared.tasks.base import DrawnTask, Problem
 
 
 @dataclass(frozen=True)
-class CountTask:
+class CountTask(DrawnTask):
     """The long-output task: `count 1234 by 7:` -> the next `length` numbers, space separated.
 
     Starts are 4-digit and stay 4-digit through the last term, so every answer is exactly
     `5 * length - 1` characters (639 for 128 numbers): always at least 512 generated tokens.
     """
 
+    splits_seed: ClassVar[str] = "count"
     name: str = "count"
     reward: str = "count"
     length: int = 128
@@ -46,18 +48,3 @@ class CountTask:
 
     def _draw(self, rng: random.Random) -> tuple[int, int]:
         return rng.randint(self.min_start, self.max_start), rng.randint(1, self.max_step)
-
-    def sample(self, rng: random.Random) -> Problem:
-        return training_problem(rng, self._draw, self.key, self.make)
-
-    def heldout(self, n: int) -> list[Problem]:
-        return split_problems(n, "heldout", self._draw, self.key, self.make, "count-heldout", 100 * n + 10_000)
-
-    def probe(self, n: int) -> list[Problem]:
-        return split_problems(n, "probe", self._draw, self.key, self.make, "count-probe", 500 * n + 10_000)
-
-    def sft_sample(self, rng: random.Random) -> Problem:
-        return self.sample(rng)
-
-    def sft_completion(self, problem: Problem) -> str:
-        return problem.answer
