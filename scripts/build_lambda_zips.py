@@ -4,6 +4,8 @@
   third-party packages the rewards import (msgspec; math-verify and its sympy stack for the math reward);
 - job_trigger.zip: jetroll.functions.job_trigger (boto3 comes with the Lambda Python runtime).
 
+functions/<module>.py lands at jetroll/functions/<module>.py, its installed name (`jetroll` is a namespace package).
+
 Third-party code comes from this interpreter's installed distributions (--deps venv, offline: run it with the
 Python of the Lambda runtime, CPython 3.11 on Linux x86_64), or from PyPI wheels for that platform (--deps pip).
 
@@ -25,9 +27,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-# jetroll.functions.lambda_handler's import closure; celery_app (celery, redis) and lambda_local (a dev server) stay out.
-REWARD_MODULES = ("__init__", "lambda_handler", "runner", "registry", "rewards", "sandbox")
-REWARD_REQUIREMENTS = ("msgspec", "math-verify")  # rewards.py imports msgspec, and math_verify inside math_reward
+# lambda_handler's import closure; celery_app (celery, redis) and lambda_local (a dev server) stay out.
+REWARD_MODULES = ("__init__", "lambda_handler", "runner", "registry", "builtin", "sandbox")
+REWARD_REQUIREMENTS = ("msgspec", "math-verify")  # builtin.py imports msgspec, and math_verify inside math_reward
 JOB_TRIGGER_MODULES = ("__init__", "job_trigger")
 LAMBDA_PYTHON = (3, 11)  # infra/variables.tf lambda_runtime
 LAMBDA_PLATFORM = "manylinux2014_x86_64"
@@ -37,7 +39,7 @@ SKIPPED_DIST_FILES = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
 
 def first_party(modules: tuple[str, ...]) -> dict[str, Path]:
     """Archive name -> source file for functions/<module>.py."""
-    return {f"functions/{m}.py": ROOT / "functions" / f"{m}.py" for m in modules}
+    return {f"jetroll/functions/{m}.py": ROOT / "functions" / f"{m}.py" for m in modules}
 
 
 def distribution_closure(requirements: tuple[str, ...]) -> list[metadata.Distribution]:

@@ -176,7 +176,7 @@ def test_dockerfile_installs_the_project_as_a_non_root_user(dockerfile: Dockerfi
     installs = [run for run in runs if re.search(r"pip install\b[^;&|]*\s\.(\s|;|$)", run)]
     assert installs, f"no RUN installs the project with `pip install .`: {runs}"
     copied = " ".join(instructions(dockerfile, "COPY"))
-    for path in ("pyproject.toml", "shared/", "services/", "functions/", "configs/"):
+    for path in ("pyproject.toml", "setup.py", "shared/", "services/", "functions/", "configs/"):
         assert path in copied, f"the image lacks {path}"
     users = instructions(dockerfile, "USER")
     assert users and users[-1].split(":")[0] not in ("root", "0"), users

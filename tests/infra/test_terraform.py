@@ -17,6 +17,7 @@ from typing import Any
 import hcl2
 import pytest
 
+import jetroll.functions.builtin  # noqa: F401  (registers the built-in rewards)
 from jetroll.functions.registry import REWARDS
 from jetroll.shared.config import RewardConfig
 
@@ -345,7 +346,7 @@ REWARDS_PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from jetroll.functions.lambda_handler import handler
-import functions
+import jetroll.functions as functions
 calls = [
     {"reward": "arithmetic", "completion": "42", "answer": "42"},
     {"reward": "math", "completion": "so \\\\boxed{0.5}", "answer": "\\\\frac{1}{2}"},
@@ -384,16 +385,17 @@ def test_lambda_zips_are_deterministic_self_contained_and_torch_free(tmp_path: P
     for name in first:
         assert first[name].read_bytes() == second[name].read_bytes(), f"{name}.zip is not deterministic"
     with zipfile.ZipFile(first["job_trigger"]) as zf:
-        assert sorted(zf.namelist()) == ["functions/__init__.py", "functions/job_trigger.py"]
+        assert sorted(zf.namelist()) == ["jetroll/functions/__init__.py", "jetroll/functions/job_trigger.py"]
     with zipfile.ZipFile(first["rewards"]) as zf:
         names = zf.namelist()
         assert all(info.date_time == ZIP_EPOCH for info in zf.infolist())
         zf.extractall(tmp_path / "rewards")
     tops = {n.split("/")[0] for n in names}
-    assert {"functions", "msgspec", "math_verify", "sympy"} <= tops
-    assert not tops & {"torch", "numpy", "shared", "services", "celery", "redis", "boto3"}, tops
+    assert {"jetroll", "msgspec", "math_verify", "sympy"} <= tops
+    assert not tops & {"torch", "numpy", "celery", "redis", "boto3"}, tops
+    assert {n.split("/")[1] for n in names if n.startswith("jetroll/")} == {"functions"}  # no shared/, no services/
     assert not [n for n in names if n.endswith(".pyc") or "__pycache__" in n]
-    assert not {"functions/celery_app.py", "functions/lambda_local.py", "functions/job_trigger.py"} & set(names)
+    assert not {f"jetroll/functions/{m}.py" for m in ("celery_app", "lambda_local", "job_trigger")} & set(names)
 
     # like Lambda: the package unpacked on its own, no site-packages (-S), so every import must come from the zip
     probe = _probe(REWARDS_PROBE, tmp_path / "rewards", no_site=True)

@@ -7,7 +7,7 @@ import string
 
 import pytest
 
-from jetroll.functions.registry import REWARDS
+from jetroll.functions.runner import get_reward
 from jetroll.shared.tasks.arithmetic import ArithmeticTask
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.count import CountTask
@@ -43,13 +43,13 @@ def test_probe_disjoint_from_training_and_heldout(name: str) -> None:
 def test_registered_task_is_consistent(name: str) -> None:
     task = TASKS[name]
     assert isinstance(task, Task)
-    assert task.name == name and task.reward in REWARDS
+    assert task.name == name and callable(get_reward(task.reward))
     rng = random.Random(0)
     for p in [task.sample(rng) for _ in range(500)] + task.heldout(50):
         assert set(p.prompt) <= VOCAB and set(p.answer) <= VOCAB
         assert task.sft_completion(p) == p.answer
         assert len(p.answer) + 1 <= task.max_new_tokens  # room for EOS
-        assert REWARDS[task.reward](task.sft_completion(p), p.answer).correct
+        assert get_reward(task.reward)(task.sft_completion(p), p.answer).correct
 
 
 def test_arithmetic_answers() -> None:
@@ -90,7 +90,7 @@ def test_registry_errors() -> None:
 
 def test_calculator_transcripts_use_the_tool_part_of_the_time() -> None:
     task = get_task("calculator")
-    reward = REWARDS[task.reward]
+    reward = get_reward(task.reward)
     rng = random.Random(3)
     problems = [task.sample(rng) for _ in range(2000)]
     num_tool = {True: 0, False: 0}
