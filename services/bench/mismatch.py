@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from jetroll.services.rollout.engine import Engine, Request
-from jetroll.services.trainer.trainer import proximal_pass
+from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.config import PrecisionConfig
 from jetroll.shared.model import exact
 from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.config import JobConfig
 from jetroll.shared.model.model import CausalLM, load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.precision import published_dtype
@@ -22,11 +23,11 @@ from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import METRICS, TRAJ_SCORED, WEIGHTS
 from jetroll.shared.rl.admission import task_quotas
-from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, TokenBatch, collate, pack_groups
-from jetroll.shared.rl.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
+from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, TokenBatch, collate
+from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
 from jetroll.shared.rl.mismatch import mismatch_stats
 from jetroll.shared.rl.schedule import cosine_lr
-from jetroll.shared.rl.staleness import staleness_stats
+from jetroll.shared.rl.staleness import fresh_tokens, staleness_stats
 from jetroll.shared.store import Manifest, WeightStore
 from jetroll.shared.tasks.registry import get_task
 
@@ -34,32 +35,6 @@ log = logging.getLogger("jetroll.trainer")
 
 STREAM, GROUP = TRAJ_SCORED.name, TRAJ_SCORED.group
 WEIGHTS_KEPT = 256  # weights announcements kept: readers need the newest; a controller this far behind skips evals
-
-
-def gradient_rows(rewards: torch.Tensor, has_kl: bool) -> torch.Tensor:
-    """Which sequences of a [num_groups, group_size] reward batch need the gradient pass, as a flat bool [B]: those
-    of groups whose rewards differ (the rest have zero advantage in GRPO and Dr.GRPO), or all under a KL term."""
-    varies = rewards.amax(dim=-1) > rewards.amin(dim=-1)
-    if has_kl:
-        varies = torch.ones_like(varies)
-    return varies.repeat_interleave(rewards.shape[-1])
-
-
-def policy_width(loss_mask: torch.Tensor) -> int:
-    """Columns up to the last policy token of any row: a causal model's log-probs there do not see the padding after."""
-    columns = loss_mask.sum(dim=0).nonzero()
-    return int(columns.max()) + 1 if len(columns) else loss_mask.shape[1]
-
-
-def proximal_pass(
-    model: CausalLM, input_ids: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's no-grad pass: log-probs and token entropies [B, T]. On the exact backend the log-probs are bitwise
-    what rollout recorded at this version, whatever the batch composition and padding."""
-    with torch.no_grad():
-        logits = model(input_ids)
-        is_exact = model.precision.backend == "exact"
-        return token_logprobs(logits, targets, temperature, is_exact=is_exact), token_entropy(logits, temperature)
 
 
 class Trainer:
@@ -215,75 +190,48 @@ class Trainer:
         return stats | per_task | staleness_stats(trajectories, self.version, self.config.staleness.eta_hard)
 
     def _train_step(self, groups: list[PendingGroup]) -> dict[str, float]:
+        """batch -> pi_prox -> advantages -> the corrected PPO loss -> one optimizer step (the caller publishes)."""
         cfg = self.config.trainer
         batch = collate(groups, self.tokenizer.pad_id)
-        advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
-        lag = (self.version - batch.v_tok) * batch.loss_mask.long()
-        # the last resort of the staleness bound: staleness_stats counts these tokens
-        is_too_stale = (lag > self.config.staleness.eta_hard) & (batch.loss_mask > 0)
-        loss_mask = batch.loss_mask * (~is_too_stale)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        is_exact = self.config.precision.backend == "exact"
-        if is_exact:  # pi_prox from the exact backend; the gradient pass below stays on `fast`
-            prox_logp, entropy = proximal_pass(self.model, batch.input_ids, batch.targets, batch.temperature)
-        else:  # filled from the passes below: every row gets one
-            prox_logp, entropy = torch.zeros_like(batch.behavior_logp), torch.zeros_like(batch.behavior_logp)
         # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
         # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
-        rows = gradient_rows(batch.rewards, has_kl=self.reference is not None)
-        idle = (~rows).nonzero().squeeze(-1)
-        if not is_exact and len(idle):
-            width = policy_width(batch.loss_mask[idle])
-            with torch.no_grad():
-                logits = self._group_logits(self.model, batch, idle, width)
-                prox_logp[idle, :width] = token_logprobs(logits, batch.targets[idle, :width], batch.temperature[idle])
-                entropy[idle, :width] = token_entropy(logits, batch.temperature[idle])
-        # the PPO loss divides by the whole batch's policy tokens, skipped rows included; Dr.GRPO by its constant, batch
-        # x max_new_tokens (each sample's generation budget): a padded width would scale the step by the longest sample
-        if cfg.advantage == "dr_grpo":
-            denominator = float(sum(self.config.rollout.sample_budget(get_task(task).max_new_tokens)
-                                    for task in batch.tasks))
-        else:
-            denominator = float(loss_mask.sum().clamp(min=1.0))
-        stats: dict[str, float] = {"grad_rows_frac": float(rows.float().mean()), "lr": self._lr()}
-        if rows.any():  # with no signal at all there is nothing to step on (not even Adam's momentum)
-            trained = rows.nonzero().squeeze(-1)
-            width = policy_width(batch.loss_mask[trained])
-            targets = batch.targets[trained, :width]
-            logits = self._group_logits(self.model, batch, trained, width)
-            logp = token_logprobs(logits, targets, batch.temperature[trained])
-            if not is_exact:
-                # one update per version, so pi_prox (the weights at the start of the step) is this forward, detached
-                prox_logp[trained, :width] = logp.detach()
-                entropy[trained, :width] = token_entropy(logits, batch.temperature[trained])
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self._group_logits(self.reference, batch, trained, width), targets,
-                                              batch.temperature[trained])
+        with_grad = gradient_rows(batch.rewards, has_kl=self.reference is not None)
+        self.optimizer.zero_grad(set_to_none=True)
+        policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id)
+        advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
+        loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, self.version, self.config.staleness.eta_hard)
+        stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self._lr()}
+        if policy.logp is not None:  # with no signal at all there is nothing to step on (not even Adam's momentum)
+            rows, width = policy.rows, policy.width
             loss, loss_stats = ppo_loss(
-                logp, prox_logp[trained, :width], batch.behavior_logp[trained, :width], advantages[trained],
-                loss_mask[trained, :width], cfg, denominator=denominator, ref_logp=ref_logp,
-                correction=self.config.precision)
-            loss.backward()
-            stats |= loss_stats
-            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
-            for param_group in self.optimizer.param_groups:
-                param_group["lr"] = stats["lr"]
-            self.optimizer.step()
-        # of pi_prox, the policy at the start of the step, over every policy token (zero-advantage groups included)
-        stats["entropy"] = float(entropy[batch.loss_mask > 0].mean()) if batch.loss_mask.any() else float("nan")
-        stats.update(self._staleness_stats(batch, prox_logp))
-        stats.update(self._task_stats(batch))
-        return stats
+                policy.logp, policy.prox_logp[rows, :width], batch.behavior_logp[rows, :width], advantages[rows],
+                loss_mask[rows, :width], cfg, denominator=self._loss_denominator(batch, loss_mask),
+                ref_logp=self._reference_logp(batch, rows, width), correction=self.config.precision)
+            stats |= loss_stats | self._optimizer_step(loss, stats["lr"])
+        return stats | self._batch_stats(batch, policy)
 
-    def _group_logits(self, model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """Logits [n, width, V] of `rows` (whole groups) in the row layout, from one forward of each group packed
-        behind its shared prompt: about half the tokens of the padded rows for short answers."""
-        packed = pack_groups(batch.input_ids[rows], batch.lengths[rows], batch.rewards.shape[1], self.tokenizer.pad_id)
-        logits = model(packed.input_ids, packed.positions, attn_mask=packed.attn_mask)
-        return logits.flatten(0, 1)[packed.index[:, :width]]
+    def _loss_denominator(self, batch: TokenBatch, loss_mask: torch.Tensor) -> float:
+        budgets = [self.config.rollout.sample_budget(get_task(task).max_new_tokens) for task in batch.tasks]
+        return loss_denominator(self.config.trainer.advantage, loss_mask, budgets)
+
+    def _reference_logp(self, batch: TokenBatch, rows: torch.Tensor, width: int) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        return reference_logp(self.reference, batch, rows, width, self.tokenizer.pad_id)
+
+    def _optimizer_step(self, loss: torch.Tensor, lr: float) -> dict[str, float]:
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.grad_clip))
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        self.optimizer.step()
+        return {"grad_norm": grad_norm}
+
+    def _batch_stats(self, batch: TokenBatch, policy: PolicyPass) -> dict[str, float]:
+        mask = batch.loss_mask > 0
+        # of pi_prox, the policy at the start of the step, over every policy token (zero-advantage groups included)
+        entropy = float(policy.entropy[mask].mean()) if mask.any() else float("nan")
+        return {"entropy": entropy} | self._staleness_stats(batch, policy.prox_logp) | self._task_stats(batch)
 
     def _lr(self) -> float:
         """This step's learning rate: a pure function of the version, so a resumed run picks the schedule up."""

@@ -61,6 +61,15 @@ def behavior_correction(
     return seq_ratio, (seq_ratio <= cap).float()
 
 
+def loss_denominator(advantage: str, loss_mask: torch.Tensor, sample_budgets: list[int]) -> float:
+    """What the summed token loss is divided by. Dr.GRPO: its constant, batch x max_new_tokens (each sample's
+    generation budget), since a padded width would scale the step by the longest sample. Otherwise the batch's policy
+    tokens, rows without a gradient included."""
+    if advantage == "dr_grpo":
+        return float(sum(sample_budgets))
+    return float(loss_mask.sum().clamp(min=1.0))
+
+
 def ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,

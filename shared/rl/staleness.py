@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import torch
 
 from jetroll.shared.protocol.events import TrajectoryEvent
 
@@ -55,3 +56,11 @@ def _lag_summary(lags: list[int], suffix: str) -> dict[str, float]:
     values = np.asarray(lags or [0], dtype=np.float64)
     return {f"lag_mean{suffix}": float(values.mean()), f"lag_p50{suffix}": float(np.median(values)),
             f"lag_max{suffix}": float(values.max())}
+
+
+def fresh_tokens(loss_mask: torch.Tensor, v_tok: torch.Tensor, version: int, eta_hard: int) -> torch.Tensor:
+    """The loss mask without the tokens more than eta_hard versions old: the last resort of the staleness bound
+    (staleness_stats counts them)."""
+    lag = (version - v_tok) * loss_mask.long()
+    is_too_stale = (lag > eta_hard) & (loss_mask > 0)
+    return loss_mask * (~is_too_stale)

@@ -13,7 +13,7 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-from jetroll.services.trainer.trainer import proximal_pass
+from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.config import PrecisionConfig
 from jetroll.shared.model.model import load_pretrained
 

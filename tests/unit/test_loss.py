@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from jetroll.services.trainer.trainer import gradient_rows, policy_width
+from jetroll.services.trainer.passes import gradient_rows, policy_width
 from jetroll.shared.config import PrecisionConfig, TrainerConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs
 from jetroll.shared.rl.loss import group_advantages, ppo_loss, token_entropy, token_logprobs

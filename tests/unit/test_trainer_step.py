@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from jetroll.services.trainer.trainer import Trainer, proximal_pass
+from jetroll.services.trainer.passes import proximal_pass
+from jetroll.services.trainer.trainer import Trainer
 from jetroll.services.trainer.warm_start import init_weights, model_args
 from jetroll.shared.config import ModelConfig, validate_config
 from jetroll.shared.model.model import CausalLM, save_pretrained
