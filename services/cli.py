@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.services.launch.entrypoints import service_main, set_threads
-from jetroll.shared.config import ConfigError, WarmStartError, load_config, validate_config
+from jetroll.shared.config.base import ConfigError, WarmStartError
+from jetroll.shared.config.job import load_config, validate_config
 
 SERVICES = ("controller", "rollout", "reward", "trainer")
 

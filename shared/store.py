@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 import msgspec
 from botocore.exceptions import ClientError
 
-from jetroll.shared.config import StoreConfig
+from jetroll.shared.config.store import StoreConfig
 
 log = logging.getLogger(__name__)
 

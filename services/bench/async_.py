@@ -35,7 +35,9 @@ from jetroll.services.bench.async_model import Durations, bound, expected_max_s,
 from jetroll.services.launch.local import Launcher
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.trainer.warm_start import ensure_base_model
-from jetroll.shared.config import ModelConfig, TimingEngineConfig, WarmStartConfig, validate_config
+from jetroll.shared.config.job import validate_config
+from jetroll.shared.config.model import ModelConfig, WarmStartConfig
+from jetroll.shared.config.rollout import TimingEngineConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 

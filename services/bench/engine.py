@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs, load_state, save_pretrained
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 

@@ -22,7 +22,7 @@ import torch
 
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.trainer.passes import proximal_pass
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model import exact
 from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer

@@ -22,7 +22,8 @@ from typing import Any
 from jetroll.services.bench.async_ import launch_job
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.trainer.warm_start import ensure_base_model
-from jetroll.shared.config import ConfigError, load_config
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import load_config
 
 log = logging.getLogger("jetroll.bench.precision")
 

@@ -23,7 +23,7 @@ from typing import Any
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import BACKENDS, setup_backend
 from jetroll.services.reward.backends.base import RewardBackend, RewardCall
-from jetroll.shared.config import RewardConfig
+from jetroll.shared.config.reward import RewardConfig
 
 REWARD, COMPLETION, ANSWER = "arithmetic", "579", "579"
 DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}  # the local endpoint ignores them

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.config import StoreConfig, load_config
+from jetroll.shared.config.job import load_config
+from jetroll.shared.config.store import StoreConfig
 from jetroll.shared.store import CHUNK_BYTES, LocalWeightStore, S3WeightStore
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 from jetroll.services.controller.progress import MetricsBook, ProgressView, plot_curves
 from jetroll.services.controller.routing import route_tasks
 from jetroll.services.rollout.evaluate import evaluate
-from jetroll.shared.config import JobConfig
+from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.model import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus

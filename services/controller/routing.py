@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from jetroll.shared.config import RolloutConfig
+from jetroll.shared.config.rollout import RolloutConfig
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.registry import get_task
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jetroll.shared.config import JobConfig
+from jetroll.shared.config.job import JobConfig
 
 SERVICES = ("controller", "rollout", "reward", "trainer")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO
 
 from jetroll.services.reward.backends import needs_celery_worker
-from jetroll.shared.config import JobConfig, validate_config
+from jetroll.shared.config.job import JobConfig, validate_config
 
 POLL_S = 0.5
 STOP_TIMEOUT_S = 10.0

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jetroll.shared.config import ConfigError, JobConfig, validate_config
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import RedisBus, RedisUnreachable, server_version
 from jetroll.shared.protocol.replicas import ReplicaVersions
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import msgspec
 
 from jetroll.services.launch.jobs import FINAL_STATUSES, SUMMARY_FIELDS, check_job_id
-from jetroll.shared.config import ConfigError, JobConfig, validate_config
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import FIELD
 from jetroll.shared.protocol.events import EventDecodeError, JobEvent, decode
 from jetroll.shared.protocol.jobs import JobBoard, JobQueue

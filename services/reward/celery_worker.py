@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from jetroll.functions.celery_app import make_app
-from jetroll.shared.config import RewardConfig
+from jetroll.shared.config.reward import RewardConfig
 
 
 def worker_env(config: RewardConfig, broker_url: str) -> dict[str, str]:

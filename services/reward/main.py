@@ -8,7 +8,7 @@ import numpy as np
 
 from jetroll.services.reward.backends import backends_in_use, setup_backend
 from jetroll.services.reward.router import RewardRouter
-from jetroll.shared.config import JobConfig
+from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 

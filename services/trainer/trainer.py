@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
-from jetroll.shared.config import JobConfig
+from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.model import CausalLM, load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.precision import published_dtype
 from jetroll.shared.protocol.bus import RedisBus

@@ -24,7 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from safetensors.torch import load_file
 
 from jetroll.services.rollout.evaluate import accuracy_on
-from jetroll.shared.config import ModelConfig, WarmStartConfig, WarmStartError
+from jetroll.shared.config.base import WarmStartError
+from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs, load_state, save_pretrained
 from jetroll.shared.model.tokenizer import Tokenizer, build_char_tokenizer
 from jetroll.shared.rl.schedule import cosine_lr

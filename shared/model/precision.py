@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model import exact
 
 FP8_MAX = 448.0

@@ -6,7 +6,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from jetroll.shared.config import JobConfig
+from jetroll.shared.config.job import JobConfig
 
 
 def task_shares(config: JobConfig) -> dict[str, float]:

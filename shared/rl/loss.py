@@ -14,7 +14,8 @@ from typing import Literal
 
 import torch
 
-from jetroll.shared.config import PrecisionConfig, TrainerConfig
+from jetroll.shared.config.precision import PrecisionConfig
+from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model import exact
 
 

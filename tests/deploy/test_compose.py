@@ -18,7 +18,7 @@ from dockerfile_parse import DockerfileParser
 from helpers import JETROLL
 
 from jetroll.services.cli import build_parser
-from jetroll.shared.config import load_config
+from jetroll.shared.config.job import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

@@ -19,7 +19,7 @@ import pytest
 
 import jetroll.functions.builtin  # noqa: F401  (registers the built-in rewards)
 from jetroll.functions.registry import REWARDS
-from jetroll.shared.config import RewardConfig
+from jetroll.shared.config.reward import RewardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jetroll.services.controller.controller import Controller
-from jetroll.shared.config import JobConfig, validate_config
+from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import GroupEvent, decode

@@ -21,7 +21,8 @@ import redis
 from helpers import JETROLL
 
 from jetroll.services.trainer.warm_start import ensure_base_model
-from jetroll.shared.config import RedisConfig, load_config
+from jetroll.shared.config.job import load_config
+from jetroll.shared.config.launch import RedisConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import MetricsEvent, encode
 from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, Outcome, group_id

@@ -22,7 +22,8 @@ from test_job import hold_streams
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.warm_start import ensure_base_model, init_weights, model_args
-from jetroll.shared.config import ModelConfig, load_config, validate_config
+from jetroll.shared.config.job import load_config, validate_config
+from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.model import CausalLM, save_pretrained
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus

@@ -18,7 +18,7 @@ from test_job import Job, launch, model_path, service_logs, stop  # noqa: F401 -
 from test_staleness import TINY, build_model
 
 from jetroll.services.controller.controller import Controller
-from jetroll.shared.config import validate_config
+from jetroll.shared.config.job import validate_config
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import GroupEvent, decode
 from jetroll.shared.store import setup_store

@@ -16,7 +16,7 @@ from reward_harness import REWARD_MODULES, by_traj_id, reward_tasks, running_rou
 from jetroll.functions.lambda_local import DEFAULT_FUNCTION, FunctionSpec, LocalLambda
 from jetroll.services.reward.backends import setup_backend
 from jetroll.services.reward.backends.base import RewardCall
-from jetroll.shared.config import RewardConfig
+from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.protocol.events import ScoredEvent
 from jetroll.shared.protocol.topology import TRAJ_RAW
 

@@ -22,7 +22,7 @@ from test_job import launch, service_logs, stop
 
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.warm_start import ensure_base_model
-from jetroll.shared.config import load_config
+from jetroll.shared.config.job import load_config
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.store import S3WeightStore, WeightStoreError
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.passes import proximal_pass
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import load_pretrained
 
 

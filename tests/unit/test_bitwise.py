@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.rollout.engine import Engine, Request
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 

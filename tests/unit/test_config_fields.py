@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from jetroll.shared.config import JobConfig
+from jetroll.shared.config.job import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("shared", "services", "functions")
@@ -307,7 +307,7 @@ def test_a_field_read_nowhere_is_reported() -> None:
     """The package with the callers of RolloutConfig.sample_budget (the one reader of rollout.max_new_tokens) cut
     off: the check names exactly that field, though the unused method still reads it."""
     assert "rollout.max_new_tokens" not in unread_fields(package_sources())
-    cut = {path: text if path == "shared/config.py" else text.replace(".sample_budget(", ".some_other_budget(")
+    cut = {path: text if path == "shared/config/rollout.py" else text.replace(".sample_budget(", ".some_other_budget(")
            for path, text in package_sources().items()}
     assert cut != package_sources()
     assert unread_fields(cut) == ["rollout.max_new_tokens"]

@@ -10,7 +10,7 @@ import torch
 
 from jetroll.services.rollout import engine as engine_module
 from jetroll.services.rollout.engine import Engine, Request, sample_tokens
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs
 from jetroll.shared.seeds import derive_seed, uniforms
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from jetroll.shared.config import BLOCK_LINEARS, PrecisionConfig
+from jetroll.shared.config.precision import BLOCK_LINEARS, PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
 from jetroll.shared.model.precision import PrecisionLinear
 from jetroll.shared.model.tokenizer import build_char_tokenizer

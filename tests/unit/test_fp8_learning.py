@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from jetroll.services.trainer.warm_start import IGNORE_INDEX, init_weights, model_args, sft_batch, sft_lr
-from jetroll.shared.config import ModelConfig, PrecisionConfig
+from jetroll.shared.config.model import ModelConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.rl.loss import behavior_correction
 from jetroll.shared.rl.mismatch import mismatch_stats
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetroll.shared.config import PrecisionConfig, TrainerConfig
+from jetroll.shared.config.precision import PrecisionConfig
+from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs
 from jetroll.shared.rl.batch import pack_groups
 from jetroll.shared.rl.loss import ppo_loss, token_logprobs

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jetroll.shared.config import PrecisionConfig
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model import exact
 from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_state
 from jetroll.shared.model.precision import FP8_MAX, SCALE_EPS, PrecisionLinear, dequantize, fake_quant, quantize

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from jetroll.services.trainer.warm_start import sft_lr
-from jetroll.shared.config import ConfigError, load_config
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import load_config
 from jetroll.shared.rl.schedule import cosine_lr
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
-from jetroll.shared.config import TimingEngineConfig
+from jetroll.shared.config.rollout import TimingEngineConfig
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.ledger import group_id
 from jetroll.shared.rl.admission import Admission

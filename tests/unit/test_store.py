@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jetroll.shared.config import ConfigError, StoreConfig, load_config, validate_config
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import load_config, validate_config
+from jetroll.shared.config.store import StoreConfig
 from jetroll.shared.store import LocalWeightStore, S3WeightStore, WeightStoreError, setup_store
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from jetroll.services.rollout.engine import Request
 from jetroll.services.rollout.timing_engine import TimingEngine, draw
-from jetroll.shared.config import TimingEngineConfig
+from jetroll.shared.config.rollout import TimingEngineConfig
 
 EOS, VOCAB = 1, 50
 

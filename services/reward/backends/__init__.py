@@ -5,7 +5,7 @@ from __future__ import annotations
 from jetroll.services.reward.backends.base import RewardBackend
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
-from jetroll.shared.config import RewardConfig
+from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.protocol.topology import job_key
 
 BACKENDS = ("local", "celery", "lambda")

@@ -1,0 +1,17 @@
+"""Config basics: strict models, and the errors every config problem raises."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line that names the offending key."""
+
+
+class WarmStartError(RuntimeError):
+    """The warm start could not land the base model in `model.warm_start.target_band`; nothing was cached."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)

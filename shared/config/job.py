@@ -1,0 +1,118 @@
+"""The job config: one section per service (each in its own module), loaded from YAML with dotted `--set`
+overrides."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from jetroll.shared.config.base import ConfigError, Strict
+from jetroll.shared.config.launch import LaunchConfig, RedisConfig
+from jetroll.shared.config.model import ModelConfig
+from jetroll.shared.config.precision import PrecisionConfig
+from jetroll.shared.config.reward import RewardConfig
+from jetroll.shared.config.rollout import RolloutConfig
+from jetroll.shared.config.staleness import StalenessConfig
+from jetroll.shared.config.store import StoreConfig
+from jetroll.shared.config.trainer import TrainerConfig
+
+
+class TaskWeight(Strict):
+    name: str = Field(description="a registered task name (see jetroll.shared.tasks.registry.TASKS)")
+    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
+
+
+class EvalConfig(Strict):
+    num_problems: int = Field(200, ge=1, description="held-out problems per task for greedy accuracy")
+    every_steps: int = Field(0, ge=0, description="also evaluate every N steps (0: start and end only)")
+
+
+class JobConfig(Strict):
+    """A whole RL job. Every service reads the same validated config."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:8], description="namespaces streams")
+    seed: int = Field(0, description="the job's seed: the controller's problem draws (one per admission index), "
+                      "rollout's sampling (one stream per traj_id) and the trainer's torch RNG all derive from it; "
+                      "the base model has its own, model.warm_start.seed")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tasks: list[TaskWeight] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _known_tasks(self) -> JobConfig:
+        from jetroll.shared.tasks.registry import TASKS
+
+        for i, task in enumerate(self.tasks):
+            if task.name not in TASKS:
+                raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")
+        for pool in self.rollout.pools:
+            if (pool.max_batch or self.rollout.max_batch) < self.trainer.group_size:
+                raise ValueError(f"rollout.max_batch (or pool {pool.name}'s max_batch) must be >= "
+                                 "trainer.group_size (a group decodes together)")
+            for task in pool.tasks:
+                if task not in TASKS:
+                    raise ValueError(f"rollout pool {pool.name}: unknown task {task!r}; valid: {sorted(TASKS)}")
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+    node[keys[-1]] = yaml.safe_load(raw)
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    return f"invalid config: {where}: {msg}" if where else f"invalid config: {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
+    """Load YAML (or nothing, for defaults) and apply `a.b=c` overrides; raise ConfigError on any problem."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}".splitlines()[0]) from exc
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), raw)
+    return validate_config(tree)
+
+
+def validate_config(tree: dict[str, Any]) -> JobConfig:
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def config_to_json(config: JobConfig) -> str:
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True)

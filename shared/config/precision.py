@@ -1,0 +1,81 @@
+"""precision: the one precision flow of rollout and the trainer's forward, and the loss's correction."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jetroll.shared.config.base import Strict
+
+BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# linears that read the same input share one inference GEMM, so they share one format
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class PrecisionConfig(Strict):
+    """One precision flow shared by rollout and the trainer's forward pass (see ARCHITECTURE.md).
+
+    Embeddings, lm_head, norms, the attention softmax and the logits always stay fp32; the block linears
+    (q, k, v, o, gate, up, down) run in the mode's format unless listed in `high_precision`.
+    """
+
+    mode: Literal["fp32", "bf16", "fp8_unified", "fp8_rollout_only"] = Field(
+        "fp32", description="fp32 (reference); bf16; fp8_unified (rollout and the trainer's forward share one FP8 "
+        "flow); fp8_rollout_only (the failing baseline: FP8 rollout, bf16 trainer)")
+    backend: Literal["fast", "exact"] = Field(
+        "fast", description="CPU backend of no-grad passes: fast (fake-quant + fp32 GEMM, compiled decode) or exact "
+        "(bitwise batch-invariant reference: decode and the trainer's log-probs agree to the bit; several x slower)")
+    backward: Literal["fp8", "bf16"] = Field(
+        "fp8", description="FP8 linears' backward GEMMs: fp8 (DGrad = Q1x128(dY) W, WGrad = Q1x128(dY^T) Q128x1(X)) "
+        "or bf16 (dY and the operands rounded to bf16)")
+    fmt: Literal["e4m3"] = Field("e4m3", description="FP8 format (max 448, round to nearest even)")
+    weight_block: int = Field(128, ge=1, description="weight quantization block (square), as weight_block_size")
+    act_group: int = Field(128, ge=1, description="activation quantization group along K; divides weight_block")
+    scale_rounding: Literal["none", "pow2"] = Field(
+        "none", description="round scales up to a power of two (ue8m0 scales, as DeepSeek-V3.1)")
+    high_precision: list[BlockLinear] = Field(
+        default_factory=list, description=f"block linears kept in bf16 in the FP8 modes, from {list(BLOCK_LINEARS)}; "
+        "q/k/v and gate/up go together")
+    correction: Literal["decoupled", "none", "token_tis", "seq_mis", "icepop"] = Field(
+        "decoupled", description="the loss's correction for the rollout/trainer gap r = pi_prox / mu (precision and "
+        "staleness): decoupled (w = min(r, correction_cap), tokens with r outside decoupled_band masked), none "
+        "(w = 1), token_tis (w = min(r, correction_cap)), seq_mis (w = the sequence's product of r; sequences above "
+        "correction_cap masked), icepop (w = r; tokens with r outside icepop_band masked)")
+    correction_cap: float = Field(2.0, gt=0, description="C: the cap of w in decoupled and token_tis, and the "
+                                  "bound on seq_mis's sequence weight")
+    decoupled_band: tuple[float, float] = Field((0.0, 10.0), description="decoupled keeps tokens with r in "
+                                                "[low, high]")
+    icepop_band: tuple[float, float] = Field((0.5, 2.0), description="icepop keeps tokens with r in [low, high]")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrecisionConfig:
+        if self.weight_block % self.act_group:
+            raise ValueError(f"precision.act_group ({self.act_group}) must divide precision.weight_block "
+                             f"({self.weight_block}): the GEMM sums per activation group")
+        for group in FUSED_LINEARS:
+            if len({name in self.high_precision for name in group}) > 1:
+                raise ValueError(f"precision.high_precision must list all of {list(group)} or none of them")
+        for name in ("decoupled_band", "icepop_band"):
+            low, high = getattr(self, name)
+            if not 0 <= low < high:
+                raise ValueError(f"precision.{name} must be (low, high) with 0 <= low < high")
+        return self
+
+    @property
+    def precision_id(self) -> str:
+        """Hash of the numeric precision config (the loss's correction aside), stamped on every trajectory."""
+        numeric = self.model_dump_json(exclude={"correction", "correction_cap", "decoupled_band", "icepop_band"})
+        return hashlib.sha256(numeric.encode()).hexdigest()[:12]
+
+    def linear_format(self, name: str) -> Literal["fp32", "bf16", "fp8"]:
+        """The number format of block linear `name` on the rollout side, which is also the published format."""
+        if self.mode in ("fp32", "bf16"):
+            return self.mode
+        return "bf16" if name in self.high_precision else "fp8"
+
+    def trainer_side(self) -> PrecisionConfig:
+        """The precision of the trainer's own passes: bf16 under fp8_rollout_only, else this config."""
+        return self.model_copy(update={"mode": "bf16"}) if self.mode == "fp8_rollout_only" else self
