@@ -32,7 +32,9 @@ import torch
 
 from jetroll.shared.config.job import load_config
 from jetroll.shared.config.store import StoreConfig
-from jetroll.shared.store import CHUNK_BYTES, LocalWeightStore, S3WeightStore
+from jetroll.shared.store.base import CHUNK_BYTES
+from jetroll.shared.store.local import LocalWeightStore
+from jetroll.shared.store.s3 import S3WeightStore
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "arithmetic.yaml"

@@ -22,7 +22,7 @@ from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, group_id
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, TRAJ_SCORED, WEIGHTS, Stream, groups_stream
 from jetroll.shared.rl.admission import Admission, in_flight_caps
 from jetroll.shared.seeds import derive_seed
-from jetroll.shared.store import WeightStore, WeightStoreError
+from jetroll.shared.store.base import WeightStore, WeightStoreError
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.controller")

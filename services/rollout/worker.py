@@ -27,7 +27,7 @@ from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, groups_stream
-from jetroll.shared.store import WeightStore, WeightStoreError
+from jetroll.shared.store.base import WeightStore, WeightStoreError
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import get_task

@@ -28,7 +28,7 @@ from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
 from jetroll.shared.rl.mismatch import mismatch_stats
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.rl.staleness import fresh_tokens, staleness_stats
-from jetroll.shared.store import Manifest, WeightStore
+from jetroll.shared.store.base import Manifest, WeightStore
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.trainer")

@@ -24,7 +24,8 @@ from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.store import S3WeightStore, WeightStoreError
+from jetroll.shared.store.base import WeightStoreError
+from jetroll.shared.store.s3 import S3WeightStore
 
 pytestmark = pytest.mark.integration
 
@@ -243,9 +244,9 @@ def test_partial_upload_is_never_visible(
         asyncio.run(store.fetch(1))
 
     # Crash in the middle of a multipart upload: the upload is aborted, no parts are left behind.
-    import jetroll.shared.store as store_module
+    import jetroll.shared.store.s3 as store_module
 
-    real_read_part = store_module._read_part
+    real_read_part = store_module.read_part
     calls = []
 
     def failing_read_part(*args: Any) -> bytes:
@@ -255,7 +256,7 @@ def test_partial_upload_is_never_visible(
         return real_read_part(*args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(store_module, "_read_part", failing_read_part)
+        patch.setattr(store_module, "read_part", failing_read_part)
         with pytest.raises(OSError, match="disk went away"):
             asyncio.run(publish(store, 1, src))
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

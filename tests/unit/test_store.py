@@ -12,7 +12,10 @@ import pytest
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config, validate_config
 from jetroll.shared.config.store import StoreConfig
-from jetroll.shared.store import LocalWeightStore, S3WeightStore, WeightStoreError, setup_store
+from jetroll.shared.store import setup_store
+from jetroll.shared.store.base import WeightStoreError
+from jetroll.shared.store.local import LocalWeightStore
+from jetroll.shared.store.s3 import S3WeightStore
 
 
 def model_dir(path: Path, seed: int = 0) -> Path:
