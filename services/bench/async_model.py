@@ -1,6 +1,6 @@
 """The reference figures of `jetroll bench async`: the closed-form bound S* and an event model of the same rules.
 
-The event model runs the staleness rules of ARCHITECTURE.md with zero orchestration latency, on the timing engine's
+The event model runs the staleness rules of docs/architecture.md with zero orchestration latency, on the timing engine's
 own draws (same traj_ids, so the same lengths as the measured run): admission while admitted <= (v + eta + 1) * B,
 samples decoded FIFO on `num_slots` slots, a step on B complete groups oldest first that waits for an in-flight
 group that would pass eta_hard, instant weight publication and swap, groups with a failed environment dropped.

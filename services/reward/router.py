@@ -34,7 +34,7 @@ class RewardRouter:
     between the two re-scores it (backends are idempotent per traj_id; the trainer keeps the first event).
     Entries in flight are kept claimed, so a slow call is never reclaimed from under the router.
 
-    Retries (ARCHITECTURE.md, "Who retries"): a throttled call up to `max_throttle_retries` times with
+    Retries (docs/architecture.md, "Who retries"): a throttled call up to `max_throttle_retries` times with
     exponential backoff; a timeout or error `max_retries` times where the backend allows it (never on Lambda).
 
     Every `forget_every_s` the router forgets the traj_ids of groups the trainer's ledger holds, so its dedupe hash

@@ -16,7 +16,7 @@ FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class PrecisionConfig(Strict):
-    """One precision flow shared by rollout and the trainer's forward pass (see ARCHITECTURE.md).
+    """One precision flow shared by rollout and the trainer's forward pass (docs/architecture.md, "Precision").
 
     Embeddings, lm_head, norms, the attention softmax and the logits always stay fp32; the block linears
     (q, k, v, o, gate, up, down) run in the mode's format unless listed in `high_precision`.

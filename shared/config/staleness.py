@@ -10,7 +10,7 @@ from jetroll.shared.config.base import Strict
 
 
 class StalenessConfig(Strict):
-    """The staleness bound (ARCHITECTURE.md, "Staleness and versions"): admission keeps groups within eta versions;
+    """The staleness bound (docs/architecture.md, "Staleness and versions"): admission keeps groups within eta versions;
     the trainer waits for the oldest in-flight group rather than let it pass eta_hard = 2 eta, and masks (and counts)
     any token still beyond eta_hard."""
 

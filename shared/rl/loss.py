@@ -1,6 +1,6 @@
 """The loss of jetroll: GRPO advantages and decoupled PPO with behaviour correction.
 
-Three policies appear per token (ARCHITECTURE.md, "Staleness and versions"):
+Three policies appear per token (docs/architecture.md, "Staleness and versions"):
   mu      = behavior_logp, the rollout policy that sampled the token (possibly stale weights);
   pi_prox = prox_logp, the trainer's own log-probs at the start of the step (no grad);
   pi_theta = logp, the policy being optimised (has grad).

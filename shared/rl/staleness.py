@@ -1,4 +1,4 @@
-"""Per-step staleness metrics (ARCHITECTURE.md, "Staleness and versions"), from the trajectories of one step.
+"""Per-step staleness metrics (docs/architecture.md, "Staleness and versions"), from the trajectories of one step.
 
 Token lag = the trainer's version at the consuming step - v_tok; a trajectory's lag is its largest token lag over
 policy tokens (loss_mask = 1). Tokens with lag > eta_hard are masked from the loss and counted here.

@@ -102,7 +102,8 @@ def test_admission_bound() -> None:
 
 
 def test_bound_matches_the_architecture_figures() -> None:
-    """S* = 1.98 / 2.56 / 2.95 at cv 0.5 / 1 / 2 with rollout at 70% of a sync step (ARCHITECTURE.md)."""
+    """S* = 1.98 / 2.56 / 2.95 at cv 0.5 / 1 / 2 with rollout at 70% of a sync step (docs/architecture.md, "The
+    asynchrony bound")."""
     for cv, expected in ((0.5, 1.98), (1.0, 2.56), (2.0, 2.95)):
         config = TimingEngineConfig(mean_tokens=512, cv=cv, token_time_s=1e-3)
         e_max = expected_max_s(config, 256)
