@@ -8,7 +8,6 @@ import math
 import os
 import signal
 import subprocess
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis
-from helpers import JETROLL
+from helpers import JETROLL, T, wait_until
 
 from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config
@@ -60,6 +59,17 @@ class Job:
 
     def stderr(self) -> str:
         return self.logs["stderr"].read_text()
+
+    def exited(self) -> str:
+        """Why the job can no longer get anywhere ("" while it runs)."""
+        code = self.process.poll()
+        return "" if code is None else f"job {self.job_id} exited ({code})"
+
+    def report(self) -> str:
+        return f"stderr:\n{self.stderr()}\n{service_logs(self.run_dir)}"
+
+    def wait_until(self, predicate: Callable[[], T | None], what: str, timeout_s: float = 120.0) -> T:
+        return wait_until(predicate, what, timeout_s, gone=self.exited, context=self.report)
 
     def wait(self, timeout_s: float = JOB_TIMEOUT_S) -> int:
         try:
@@ -142,23 +152,12 @@ def service_pids(kind: str | None, config_path: Path) -> list[int]:
     return pids
 
 
-def wait_for(predicate: Callable[[], object], job: Job, what: str, timeout_s: float = 120.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := predicate()):
-            return value
-        if job.process.poll() is not None:
-            pytest.fail(f"job exited ({job.process.returncode}) while waiting for {what}:\n{job.stderr()}")
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}; stderr:\n{job.stderr()}\n{service_logs(job.run_dir)}")
-
-
 def kill_service(job: Job, kind: str, not_pid: int | None = None) -> int:
     """SIGKILL the one live `kind` service of the job (a replacement when not_pid is given); returns its pid."""
     def live() -> list[int]:
         return [p for p in service_pids(kind, job.config_path) if p != not_pid]
 
-    pids = wait_for(live, job, f"a {kind} process")
+    pids = job.wait_until(live, f"a {kind} process")
     assert isinstance(pids, list) and len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]
@@ -237,7 +236,7 @@ def test_smoke_fp32_with_malformed_events(start_job: Callable[..., Job], redis_u
     client = redis.Redis.from_url(redis_url)
     raw = f"jetroll:{job.job_id}:traj:raw"
     try:
-        wait_for(lambda: client.exists(raw) and client.xinfo_groups(raw), job, "the reward consumer group")
+        job.wait_until(lambda: client.exists(raw) and client.xinfo_groups(raw), "the reward consumer group")
         client.xadd(raw, {b"e": b"\x92not-an-event"})
         wrong_kind = MetricsEvent(job_id=job.job_id, service="test", name="x", value=1.0, step=0)
         client.xadd(raw, {b"e": encode(wrong_kind)})
@@ -300,10 +299,10 @@ def test_nothing_lost_when_services_are_killed(start_job: Callable[..., Job], re
     job = start_job(f"trainer.max_steps={max_steps}", "redis.ledger_keep_groups=3")
     killed: dict[str, int | None] = {"rollout": None, "reward": None, "controller": None}
     for num_rounds, at_step in enumerate((2, 6), start=1):
-        wait_for(lambda n=at_step: len(job.metrics()) >= n, job, f"{at_step} steps")
+        job.wait_until(lambda n=at_step: len(job.metrics()) >= n, f"{at_step} steps")
         for kind in killed:
             killed[kind] = kill_service(job, kind, not_pid=killed[kind])
-        wait_for(lambda n=num_rounds: job.stderr().count("died (exit -9)") >= len(killed) * n, job, "the restarts")
+        job.wait_until(lambda n=num_rounds: job.stderr().count("died (exit -9)") >= len(killed) * n, "the restarts")
     assert job.wait() == 0, f"{job.stderr()}\n{service_logs(job.run_dir)}"
     stderr = job.stderr()
     for name in ("rollout-default-0", "reward", "controller"):
@@ -320,7 +319,7 @@ def test_signal_stops_the_job_and_its_services(start_job: Callable[..., Job], si
     """`kill PID` of `jetroll run` stops every service it started, instead of leaving them orphaned; so does
     `kill -INT` of a job a shell started in the background (SIGINT ignored at start)."""
     job = start_job("trainer.max_steps=200", ignore_sigint=signum == signal.SIGINT)
-    wait_for(lambda: len(job.metrics()) >= 2, job, "2 steps")
+    job.wait_until(lambda: len(job.metrics()) >= 2, "2 steps")
     assert service_pids(None, job.config_path), "no services to stop"
     job.process.send_signal(signum)
     assert job.process.wait(timeout=60) == 130, job.stderr()
@@ -331,7 +330,7 @@ def test_signal_stops_the_job_and_its_services(start_job: Callable[..., Job], si
 def test_restart_limit_names_the_service(start_job: Callable[..., Job]) -> None:
     job = start_job("trainer.max_steps=200", "launch.max_restarts=1")
     first = kill_service(job, "reward")
-    wait_for(lambda: "service reward died (exit -9); restart 1/1" in job.stderr(), job, "the restart")
+    job.wait_until(lambda: "service reward died (exit -9); restart 1/1" in job.stderr(), "the restart")
     kill_service(job, "reward", not_pid=first)
     assert job.wait(60) == 1
     last = job.stderr().strip().splitlines()[-1]

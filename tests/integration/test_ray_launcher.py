@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,18 +119,6 @@ def ray_probe(address: str, job_id: str, log_dir: Path) -> Iterator[Probe]:
         probe.close()
 
 
-def _wait_for(predicate: Callable[[], object], job: Job, what: str, timeout_s: float = 150.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := predicate()):
-            return value
-        if job.process.poll() is not None:
-            pytest.fail(f"job exited ({job.process.returncode}) while waiting for {what}:\n{job.stderr()}\n"
-                        f"{service_logs(job.run_dir)}")
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}; stderr:\n{job.stderr()}\n{service_logs(job.run_dir)}")
-
-
 def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
     job_id = f"r{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / job_id
@@ -151,8 +139,9 @@ def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, mo
         cleanup.callback(stop, job)
         # every replica reports a version published after all of them started on version 0 (checked mid-job: the
         # app and its replicas go away as soon as the job ends)
-        versions = _wait_for(lambda: (v := client.hgetall(f"jetroll:{job_id}:replicas")) and len(v) == NUM_REPLICAS
-                             and min(int(x) for x in v.values()) >= TARGET and v, job, f"both replicas at v{TARGET}+")
+        versions = job.wait_until(lambda: (v := client.hgetall(f"jetroll:{job_id}:replicas")) and len(v) == NUM_REPLICAS
+                                  and min(int(x) for x in v.values()) >= TARGET and v, f"both replicas at v{TARGET}+",
+                                  150)
         probed = probe.ask(f"replicas {NUM_REPLICAS}")
         assert probed["running"] == NUM_REPLICAS == len(versions), probed
         answers = probed["answers"]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import boto3
 import msgspec
 import pytest
 import redis
-from helpers import JETROLL
+from helpers import JETROLL, wait_until
 
 from jetroll.services.launch import watch
 from jetroll.services.launch.jobs import load_job_config
@@ -56,15 +56,6 @@ def jobs_redis(redis_url: str) -> Iterator[redis.Redis]:
 
 def statuses(client: redis.Redis) -> dict[str, dict]:
     return {k.decode(): json.loads(v) for k, v in client.hgetall(STATUS).items()}
-
-
-def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float, on_timeout: Callable[[], str] = str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := predicate()):
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{on_timeout()}")
 
 
 # --- the watchers' logic, in process, with stand-in service processes ---------------------------------------------
@@ -193,7 +184,8 @@ def test_services_join_running_jobs_leave_ended_ones_and_fail_them_after_restart
         jobs_redis.hset(STATUS, job_id, json.dumps({"status": status}))
 
     def wait_for_calls(num: int) -> list[list]:
-        return wait_until(lambda: len(read_calls(calls)) >= num and read_calls(calls), f"{num} service starts", 20)
+        return wait_until(lambda: len(read_calls(calls)) >= num and read_calls(calls), f"{num} service starts", 20,
+                          interval_s=0.2)
 
     async def scenario() -> None:
         for job_id, status in (("old", "done"), ("live", "running")):  # `live` runs before the service starts
@@ -297,10 +289,11 @@ def test_submitted_jobs_run_on_watching_services(stack: Stack, jobs_redis: redis
         assert all(p.poll() is None for p in stack.procs.values()), stack.logs()
         return statuses(jobs_redis).get(job_id, {}).get("status")
 
-    wait_until(lambda: status(first) == "running", "the first job to start", 120, stack.logs)
+    wait_until(lambda: status(first) == "running", "the first job to start", 120, interval_s=0.2, context=stack.logs)
     assert status(second) == "queued"  # one job at a time
     stack.start("rollout", "rollout", "--watch", "--runs-dir", str(stack.runs_dir))  # joins the running job
-    wait_until(lambda: status(second) in ("done", "failed"), "both jobs to end", JOB_TIMEOUT_S, stack.logs)
+    wait_until(lambda: status(second) in ("done", "failed"), "both jobs to end", JOB_TIMEOUT_S, interval_s=0.2,
+               context=stack.logs)
     board = statuses(jobs_redis)
     assert board[first]["status"] == board[second]["status"] == "done", (board, stack.logs())
     for job_id, steps in ((first, 4), (second, 2)):
@@ -327,7 +320,7 @@ def test_submitted_jobs_run_on_watching_services(stack: Stack, jobs_redis: redis
 
     services = ("rollout", "reward", "trainer")
     wait_until(lambda: all(f"leaves job {second}" in stack.log(name).read_text() for name in services),
-               "every service to leave the second job", 60, stack.logs)
+               "every service to leave the second job", 60, interval_s=0.2, context=stack.logs)
     for name in services:
         log = stack.log(name).read_text()
         for job_id in (first, second):
