@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-# lambda_handler's import closure; celery_app (celery, redis) and lambda_local (a dev server) stay out.
+# lambda_handler's import closure; celery_app (celery, redis) stays out.
 REWARD_MODULES = ("__init__", "lambda_handler", "runner", "registry", "builtin", "sandbox")
 REWARD_REQUIREMENTS = ("msgspec", "math-verify")  # builtin.py imports msgspec, and math_verify inside math_reward
 JOB_TRIGGER_MODULES = ("__init__", "job_trigger")

@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--concurrency", default="1,8,32", help="calls kept in flight, comma-separated")
     reward.add_argument("--calls", type=int, default=400, help="calls per backend and concurrency level")
     reward.add_argument("--workers", type=int, default=4, help="executors per backend (processes, environments)")
-    reward.add_argument("--backends", default="local,celery,lambda", help="comma-separated")
+    reward.add_argument("--backends", default=None,
+                        help="comma-separated (default: local,celery, and lambda when --lambda-endpoint is given)")
+    reward.add_argument("--lambda-endpoint", default=None,
+                        help="a Lambda Invoke API the lambda backend calls (AWS's, or a local one)")
     mismatch = bench_sub.add_parser("mismatch", help="training-inference log-prob mismatch by precision mode and "
                                     "rollout length (exact backend)")
     mismatch.add_argument("--json", action="store_true", help="print one JSON object")
@@ -296,7 +299,8 @@ def _bench(args: argparse.Namespace) -> int:
         "mismatch": lambda m: m.run_mismatch_bench(lengths=ints(args.lengths), num_samples=args.samples,
                                                    threads=args.threads, model_path=args.model),
         "reward": lambda m: m.run_reward_bench(concurrency=ints(args.concurrency), num_calls=args.calls,
-                                               workers=args.workers, backends=tuple(args.backends.split(","))),
+                                               workers=args.workers, lambda_endpoint=args.lambda_endpoint,
+                                               backends=tuple(args.backends.split(",")) if args.backends else None),
         "store": lambda m: m.run_store_bench(synthetic_mb=args.synthetic_mb, repeats=args.repeats,
                                              multipart_threshold_mib=args.multipart_threshold_mib),
         "engine": lambda m: m.run_engine_bench(batch_sizes=ints(args.batch_sizes), new_tokens=args.new_tokens,

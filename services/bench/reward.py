@@ -9,12 +9,9 @@ the per-call price of the transport: broker round trips for celery, HTTP + JSON 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from contextlib import AsyncExitStack, ExitStack
@@ -23,31 +20,12 @@ from typing import Any
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import BACKENDS, setup_backend
 from jetroll.services.reward.backends.base import RewardBackend, RewardCall
+from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.reward import RewardConfig
 
 REWARD, COMPLETION, ANSWER = "arithmetic", "579", "579"
-DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}  # the local endpoint ignores them
-
-
-def _start_lambda_endpoint(workers: int, timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m jetroll.functions.lambda_local` on a free port; returns the process and its URL."""
-    process = subprocess.Popen([sys.executable, "-m", "jetroll.functions.lambda_local", "--port", "0",
-                                "--concurrency", str(workers), "--timeout-s", str(timeout_s)],
-                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the local Lambda endpoint exited with {process.wait()}")
-    return process, json.loads(line)["url"]
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+LOOPBACK = ("http://127.0.0.1", "http://localhost")
+LOCAL_AWS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}  # what a local endpoint ignores
 
 
 async def _measure(backend: RewardBackend, concurrency: int, num_calls: int, tag: str) -> dict[str, Any]:
@@ -99,26 +77,31 @@ def run_reward_bench(
     concurrency: tuple[int, ...] = (1, 8, 32),
     num_calls: int = 400,
     workers: int = 4,
-    backends: tuple[str, ...] = BACKENDS,
+    backends: tuple[str, ...] | None = None,
+    lambda_endpoint: str | None = None,
 ) -> dict[str, Any]:
-    """Start Redis, a Celery worker and the local Lambda endpoint as needed, measure, stop them all."""
+    """Start Redis and a Celery worker as needed, measure, stop them. The lambda backend runs against
+    `lambda_endpoint`, any Lambda Invoke API (AWS's, or the fake a source checkout serves with
+    `python tests/fakes/lambda_invoke.py`); by default it is measured when an endpoint is given."""
+    if backends is None:
+        backends = BACKENDS if lambda_endpoint else tuple(b for b in BACKENDS if b != "lambda")
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
-        raise ValueError(f"unknown reward backends {unknown}; valid: {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown reward backends {unknown}; valid: {', '.join(BACKENDS)}")
+    if "lambda" in backends and not lambda_endpoint:
+        raise ConfigError("bench reward: the lambda backend needs --lambda-endpoint URL (a Lambda Invoke API; from a "
+                          "source checkout, `python tests/fakes/lambda_invoke.py --port 9001` serves one)")
     config = RewardConfig(num_workers=workers, celery_concurrency=workers, lambda_concurrency=workers,
-                          celery_queue=f"bench-{uuid.uuid4().hex[:8]}")
+                          celery_queue=f"bench-{uuid.uuid4().hex[:8]}", lambda_endpoint_url=lambda_endpoint)
+    if lambda_endpoint and lambda_endpoint.startswith(LOOPBACK):
+        for name, value in LOCAL_AWS.items():  # signing needs credentials; a local endpoint checks none
+            os.environ.setdefault(name, value)
     with ExitStack() as stack:
         redis_server = stack.enter_context(RedisServer())
         if "celery" in backends:
             from jetroll.services.reward.celery_worker import CeleryWorker
 
             stack.enter_context(CeleryWorker(config, redis_server.url))
-        if "lambda" in backends:
-            endpoint, url = _start_lambda_endpoint(workers, config.timeout_s)
-            stack.callback(_stop, endpoint)
-            config = config.model_copy(update={"lambda_endpoint_url": url})
-            for name, value in DUMMY_AWS.items():
-                os.environ.setdefault(name, value)
         rows = asyncio.run(_run(config, redis_server.url, backends, concurrency, num_calls))
     p50_c1 = {row["backend"]: row["p50_ms"] for row in rows if row["concurrency"] == min(concurrency)}
     top = max(concurrency)
@@ -128,8 +111,9 @@ def run_reward_bench(
             "workers": workers,
             "calls_per_level": num_calls,
             "concurrency": list(concurrency),
-            "executors": "local: pool processes; celery: prefork children; lambda: environments of the local "
-                         "Invoke endpoint (jetroll.functions.lambda_local); each backend's in-flight limit = workers",
+            "executors": "local: pool processes; celery: prefork children; lambda: the endpoint's execution "
+                         "environments; each backend's in-flight limit = workers",
+            "lambda_endpoint": lambda_endpoint,
             "latency": "RewardBackend.score() as the router calls it; warm executors",
             "cpu": platform.processor() or platform.machine(),
             "num_cpus": os.cpu_count(),

@@ -395,7 +395,7 @@ def test_lambda_zips_are_deterministic_self_contained_and_torch_free(tmp_path: P
     assert not tops & {"torch", "numpy", "celery", "redis", "boto3"}, tops
     assert {n.split("/")[1] for n in names if n.startswith("jetroll/")} == {"functions"}  # no shared/, no services/
     assert not [n for n in names if n.endswith(".pyc") or "__pycache__" in n]
-    assert not {f"jetroll/functions/{m}.py" for m in ("celery_app", "lambda_local", "job_trigger")} & set(names)
+    assert not {f"jetroll/functions/{m}.py" for m in ("celery_app", "job_trigger")} & set(names)
 
     # like Lambda: the package unpacked on its own, no site-packages (-S), so every import must come from the zip
     probe = _probe(REWARDS_PROBE, tmp_path / "rewards", no_site=True)

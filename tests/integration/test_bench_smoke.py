@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from helpers import JETROLL
+
+FAKE_LAMBDA = Path(__file__).resolve().parents[1] / "fakes" / "lambda_invoke.py"
 
 
 @pytest.mark.integration
@@ -48,17 +51,29 @@ def test_bench_store_json_smoke() -> None:
 
 @pytest.mark.integration
 def test_bench_reward_json_smoke() -> None:
-    out = subprocess.run(
-        [*JETROLL, "bench", "reward", "--json", "--calls", "8", "--concurrency", "1,2",
-         "--workers", "1"],
-        capture_output=True, text=True, timeout=300, check=True,
-    )
+    """Every backend, lambda against the fake Invoke API run as a source checkout runs it; no endpoint, no lambda."""
+    fake = subprocess.Popen([sys.executable, str(FAKE_LAMBDA), "--port", "0", "--concurrency", "1"],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert fake.stdout is not None
+        url = json.loads(fake.stdout.readline())["url"]
+        out = subprocess.run(
+            [*JETROLL, "bench", "reward", "--json", "--calls", "8", "--concurrency", "1,2", "--workers", "1",
+             "--lambda-endpoint", url],
+            capture_output=True, text=True, timeout=300, check=True,
+        )
+    finally:
+        fake.terminate()
+        fake.wait(timeout=30)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert {(row["backend"], row["concurrency"]) for row in result["rows"]} == {
         (backend, level) for backend in ("local", "celery", "lambda") for level in (1, 2)}
     for row in result["rows"]:
         assert row["rewards_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"] and row["not_ok"] == 0
     assert set(result["summary"]["overhead_ms"]) == {"celery", "lambda"}
+    refused = subprocess.run([*JETROLL, "bench", "reward", "--backends", "lambda"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "needs --lambda-endpoint" in refused.stderr, refused.stderr
 
 
 @pytest.mark.integration

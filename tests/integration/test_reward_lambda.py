@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from fakes.lambda_invoke import DEFAULT_FUNCTION, FunctionSpec, LocalLambda
 from reward_harness import REWARD_MODULES, by_traj_id, reward_tasks, running_router, started, traj, wait_scored
 
-from jetroll.functions.lambda_local import DEFAULT_FUNCTION, FunctionSpec, LocalLambda
 from jetroll.services.reward.backends import setup_backend
 from jetroll.services.reward.backends.base import RewardCall
 from jetroll.shared.config.reward import RewardConfig

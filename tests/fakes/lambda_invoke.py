@@ -1,4 +1,4 @@
-"""A local AWS Lambda endpoint: the Invoke API on 127.0.0.1, serving the real handlers from functions/.
+"""A fake of AWS Lambda's cloud side: the Invoke API on 127.0.0.1, serving jetroll's real handlers.
 
 `POST /2015-03-31/functions/{name}/invocations` (RequestResponse) runs the handler in a warm execution environment:
 a spawned process that serves one invocation at a time, as Lambda's do. Answers follow Lambda:
@@ -9,7 +9,9 @@ a spawned process that serves one invocation at a time, as Lambda's do. Answers 
 - 404 ResourceNotFoundException for an unknown function.
 `GET /_local/stats` returns handler runs per function and traj_id, and throttles per function.
 
-Run it with `python -m jetroll.functions.lambda_local --port 9001`; it prints {"url": ...} on its first stdout line.
+Tests start it in process (`LocalLambda`); from a source checkout, `python tests/fakes/lambda_invoke.py --port 9001`
+serves it for `jetroll bench reward --lambda-endpoint` or a job's `reward.lambda_endpoint_url`. It prints
+{"url": ...} on its first stdout line.
 """
 
 from __future__ import annotations
