@@ -58,7 +58,7 @@ def import_reward_modules(spec: str | None = None) -> list[str]:
     spec = os.environ.get(MODULES_ENV, "") if spec is None else spec
     names = [name.strip() for name in spec.split(",") if name.strip()]
     if names and not any(isinstance(finder, _LegacyNames) for finder in sys.meta_path):
-        sys.meta_path.append(_LegacyNames())
+        sys.meta_path.insert(0, _LegacyNames())  # ahead of a checkout on sys.path, whose functions/ is a copy
     for name in names:
         importlib.import_module(name)
     return names

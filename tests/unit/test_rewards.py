@@ -161,3 +161,21 @@ def test_builtin_rewards_are_registered() -> None:
     names = {"arithmetic", "count", "math", "code", "exact_match", "token_f1", "format", "length"}
     assert names <= set(REWARDS)
     assert RewardOutput(1.0, True).details == ""
+
+
+def test_a_reward_module_on_the_old_import_name_still_loads_with_a_warning() -> None:
+    """One release of grace: `from functions.registry import reward` is the registry itself, and says it moved."""
+    import sys
+
+    import jetroll.functions.registry as registry
+    from jetroll.functions.runner import call_reward, import_reward_modules
+
+    with pytest.warns(DeprecationWarning, match="`functions.registry` is now `jetroll.functions.registry`"):
+        import_reward_modules("legacy_reward_fns")
+    try:
+        assert sys.modules["functions.registry"] is registry
+        assert call_reward({"reward": "test_legacy", "completion": "7", "answer": "7"})["reward"] == 1.0
+    finally:
+        del REWARDS["test_legacy"]
+        for name in ("legacy_reward_fns", "functions.registry", "functions"):
+            sys.modules.pop(name, None)
