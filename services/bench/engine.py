@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs, load_state, save_pretrained
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 SEED = 0
@@ -95,7 +95,7 @@ def run_engine_bench(
             hf_model = transformers.Qwen2ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         fp8_model = None
         if include_fp8:
-            fp8_model = CausalLM(fp32_model.args, PrecisionConfig(mode="fp8_unified")).eval()
+            fp8_model = CausalLM(fp32_model.args, Precision(mode="fp8_unified")).eval()
             load_state(fp8_model, fp32_model.state_dict())
         generator = torch.Generator().manual_seed(SEED)
         rows = []

@@ -25,6 +25,7 @@ from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model import exact
 from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 from jetroll.shared.rl.mismatch import mismatch_stats
 
@@ -92,8 +93,8 @@ def run_mismatch_bench(
             published: dict[str, Path] = {}
             for mode in MODES:
                 published[mode] = Path(tmp) / mode
-                save_pretrained(master, tokenizer, published[mode], publish=PrecisionConfig(mode=mode))
-            sampler, _ = load_pretrained(published["fp8_unified"], PrecisionConfig(mode="fp8_unified"))
+                save_pretrained(master, tokenizer, published[mode], publish=Precision(mode=mode))
+            sampler, _ = load_pretrained(published["fp8_unified"], Precision(mode="fp8_unified"))
             requests = [Request(f"m{i}", row, lengths[-1], ignore_eos=True) for i, row in enumerate(prompts.tolist())]
             started = time.perf_counter()
             Engine(sampler, tokenizer.eos_id, num_samples, prompt_len + lengths[-1], seed=seed).generate(requests)
@@ -101,7 +102,7 @@ def run_mismatch_bench(
             completions = torch.tensor([r.output_ids for r in requests])
             deltas = {}
             for mode in MODES:
-                config = PrecisionConfig(mode=mode, backend="exact")
+                config = Precision(mode=mode, backend="exact")
                 sides = {}
                 for side, side_config in (("rollout", config), ("trainer", config.trainer_side())):
                     key = (side, side_config.linear_format("q_proj"))

@@ -153,7 +153,7 @@ class Controller:
         directory = await self.store.fetch(version)
 
         def run() -> dict[str, float]:
-            model, tokenizer = load_pretrained(directory, self.config.precision)
+            model, tokenizer = load_pretrained(directory, self.config.precision.numerics())
             return evaluate(model, tokenizer, self.task_names, self.config.eval.num_problems)
 
         accuracy = await asyncio.to_thread(run)

@@ -92,7 +92,7 @@ class RolloutWorker:
             tokenizer = load_tokenizer(directory)
             return TimingEngine(self.pool.timing or rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, max_batch,
                                 rollout.max_seq_len)
-        model, tokenizer = load_pretrained(directory, self.config.precision)
+        model, tokenizer = load_pretrained(directory, self.config.precision.numerics())
         self.tokenizer = tokenizer
         return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,
                       seed=self.config.seed, compile=rollout.compile)

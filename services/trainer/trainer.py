@@ -57,13 +57,13 @@ class Trainer:
         self.ingest_task: asyncio.Task[None] | None = None
         self.is_training = False
         assert config.model.path, "the launcher resolves model.path before services start"
-        self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.trainer_side())
+        self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.trainer.lr,
                                            weight_decay=config.trainer.weight_decay)
         self.reference: CausalLM | None = None
         if config.trainer.kl_coef > 0:
-            self.reference, _ = load_pretrained(config.model.path, config.precision.trainer_side())
+            self.reference, _ = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
             self.reference.requires_grad_(False)
 
     async def run(self) -> None:
@@ -266,12 +266,12 @@ class Trainer:
         """Shards, manifest, LATEST (inside the store), then the weights event."""
         with tempfile.TemporaryDirectory(prefix="jetroll-publish-") as staging:
             # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
-            save_pretrained(self.model, self.tokenizer, staging, publish=self.config.precision)
+            save_pretrained(self.model, self.tokenizer, staging, publish=self.config.precision.numerics())
             is_ckpt = self.version % self.config.trainer.checkpoint_every == 0
             manifest = await self.store.publish(
                 self.version, self.version, Path(staging), precision_id=self.config.precision.precision_id,
-                dtype=published_dtype(self.config.precision), parent=self.version - 1 if self.version else None,
-                is_checkpoint=is_ckpt)
+                dtype=published_dtype(self.config.precision.numerics()),
+                parent=self.version - 1 if self.version else None, is_checkpoint=is_ckpt)
         await self._announce(manifest)
         await self.store.retain(self.config.store.keep_last)
 

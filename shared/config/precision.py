@@ -8,11 +8,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import Strict
+from jetroll.shared.model.numerics import BLOCK_LINEARS, Precision
 
-BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# linears that read the same input share one inference GEMM, so they share one format
-FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class PrecisionConfig(Strict):
@@ -52,12 +50,7 @@ class PrecisionConfig(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> PrecisionConfig:
-        if self.weight_block % self.act_group:
-            raise ValueError(f"precision.act_group ({self.act_group}) must divide precision.weight_block "
-                             f"({self.weight_block}): the GEMM sums per activation group")
-        for group in FUSED_LINEARS:
-            if len({name in self.high_precision for name in group}) > 1:
-                raise ValueError(f"precision.high_precision must list all of {list(group)} or none of them")
+        self.numerics()  # the numeric settings check themselves
         for name in ("decoupled_band", "icepop_band"):
             low, high = getattr(self, name)
             if not 0 <= low < high:
@@ -70,12 +63,8 @@ class PrecisionConfig(Strict):
         numeric = self.model_dump_json(exclude={"correction", "correction_cap", "decoupled_band", "icepop_band"})
         return hashlib.sha256(numeric.encode()).hexdigest()[:12]
 
-    def linear_format(self, name: str) -> Literal["fp32", "bf16", "fp8"]:
-        """The number format of block linear `name` on the rollout side, which is also the published format."""
-        if self.mode in ("fp32", "bf16"):
-            return self.mode
-        return "bf16" if name in self.high_precision else "fp8"
-
-    def trainer_side(self) -> PrecisionConfig:
-        """The precision of the trainer's own passes: bf16 under fp8_rollout_only, else this config."""
-        return self.model_copy(update={"mode": "bf16"}) if self.mode == "fp8_rollout_only" else self
+    def numerics(self) -> Precision:
+        """What the model and the engines compute with."""
+        return Precision(mode=self.mode, backend=self.backend, backward=self.backward, fmt=self.fmt,
+                         weight_block=self.weight_block, act_group=self.act_group, scale_rounding=self.scale_rounding,
+                         high_precision=tuple(self.high_precision))

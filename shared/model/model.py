@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model import exact
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import (
     InferenceWeights,
     PrecisionLinear,
@@ -120,7 +120,7 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, precision: PrecisionConfig) -> None:
+    def __init__(self, dim: int, eps: float, precision: Precision) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -143,7 +143,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
+    def __init__(self, args: ModelArgs, precision: Precision) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         kv_dim = args.num_kv_heads * args.head_dim
@@ -223,7 +223,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
+    def __init__(self, args: ModelArgs, precision: Precision) -> None:
         super().__init__()
         self.gate_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision, "gate_proj")
         self.up_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision, "up_proj")
@@ -240,7 +240,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, precision: PrecisionConfig) -> None:
+    def __init__(self, args: ModelArgs, precision: Precision) -> None:
         super().__init__()
         self.self_attn = Attention(args, precision)
         self.mlp = MLP(args, precision)
@@ -296,10 +296,10 @@ class LayerView:
 class CausalLM(nn.Module):
     """Module names mirror HF's (`model.layers.N.self_attn.q_proj`), so state dicts load as they are."""
 
-    def __init__(self, args: ModelArgs, precision: PrecisionConfig | None = None) -> None:
+    def __init__(self, args: ModelArgs, precision: Precision | None = None) -> None:
         super().__init__()
         self.args = args
-        self.precision = precision or PrecisionConfig()
+        self.precision = precision or Precision()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(args, self.precision) for _ in range(args.num_layers))
@@ -380,7 +380,7 @@ class CausalLM(nn.Module):
 
 
 def save_pretrained(
-    model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path, publish: PrecisionConfig | None = None
+    model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path, publish: Precision | None = None
 ) -> None:
     """Write an HF-format directory: config.json, model.safetensors and the tokenizer files.
 
@@ -410,7 +410,7 @@ def save_pretrained(
         tokenizer.save(directory)
 
 
-def load_pretrained(directory: str | Path, precision: PrecisionConfig | None = None) -> tuple[CausalLM, Tokenizer]:
+def load_pretrained(directory: str | Path, precision: Precision | None = None) -> tuple[CausalLM, Tokenizer]:
     """Load any HF-format Qwen2/Llama directory (safetensors shards, fp32/bf16 or block-FP8) into a CausalLM on the
     CPU: fp32 masters, and FP8 linears keep their published e4m3 values and scales."""
     directory = Path(directory)

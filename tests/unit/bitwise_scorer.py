@@ -14,14 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.passes import proximal_pass
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.numerics import Precision
 
 
 def main(job_path: str) -> None:
     job = json.loads(open(job_path).read())
     torch.set_num_threads(job["threads"])
-    precision = PrecisionConfig.model_validate(job["precision"]).trainer_side()
+    precision = Precision(**job["precision"]).trainer_side()
     sequences = load_file(job["sequences"])
     ids, lengths = sequences["ids"], sequences["lengths"].tolist()
     order = list(reversed(range(len(lengths))))  # another batch composition than rollout's

@@ -4,6 +4,7 @@ bytes, in another batch composition with extra padding; recorded log-probs are n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.rollout.engine import Engine, Request
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
@@ -40,19 +41,19 @@ def tiny_model(seed: int) -> CausalLM:
     return model
 
 
-def publish(model: CausalLM, precision: PrecisionConfig, directory: Path) -> Path:
+def publish(model: CausalLM, precision: Precision, directory: Path) -> Path:
     save_pretrained(model, TOKENIZER, directory, publish=precision)
     return directory
 
 
 def score_in_subprocess(tmp_path: Path, requests: list[Request], checkpoints: dict[int, Path],
-                        precision: PrecisionConfig, temperature: float) -> dict[str, torch.Tensor]:
+                        precision: Precision, temperature: float) -> dict[str, torch.Tensor]:
     lengths = [r.num_tokens for r in requests]
     ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
     for i, request in enumerate(requests):
         ids[i, : lengths[i]] = torch.tensor(request.prompt_ids + request.output_ids)
     save_file({"ids": ids, "lengths": torch.tensor(lengths)}, str(tmp_path / "sequences.safetensors"))
-    job = {"checkpoints": {str(v): str(d) for v, d in checkpoints.items()}, "precision": precision.model_dump(),
+    job = {"checkpoints": {str(v): str(d) for v, d in checkpoints.items()}, "precision": dataclasses.asdict(precision),
            "sequences": str(tmp_path / "sequences.safetensors"), "out": str(tmp_path / "scored.safetensors"),
            "micro_batch": 5, "extra_pad": 7, "temperature": temperature, "threads": 1}
     (tmp_path / "job.json").write_text(json.dumps(job))
@@ -81,7 +82,7 @@ def assert_bitwise(requests: list[Request], scored: dict[str, torch.Tensor]) -> 
 def test_rollout_logprobs_equal_trainer_bitwise_for_batch_sizes_1_to_64(
     tmp_path: Path, mode: str, temperature: float
 ) -> None:
-    precision = PrecisionConfig(mode=mode, backend="exact")
+    precision = Precision(mode=mode, backend="exact")
     checkpoint = publish(tiny_model(seed=0), precision, tmp_path / "v0")
     model, _ = load_pretrained(checkpoint, precision)
     engine = Engine(model, TOKENIZER.eos_id, max_batch=64, max_len=256, seed=1, compile=True)
@@ -105,7 +106,7 @@ def test_rollout_logprobs_equal_trainer_bitwise_for_batch_sizes_1_to_64(
 
 @pytest.mark.slow  # about a minute: 2 x 2048 exact decode steps, then two 2048-token trainer passes
 def test_bitwise_at_length_2048_across_a_weight_swap(tmp_path: Path) -> None:
-    precision = PrecisionConfig(mode="fp8_unified", backend="exact")
+    precision = Precision(mode="fp8_unified", backend="exact")
     old, new = tiny_model(seed=0), tiny_model(seed=0)
     with torch.no_grad():
         for param in new.parameters():

@@ -10,8 +10,8 @@ import torch
 
 from jetroll.services.rollout import engine as engine_module
 from jetroll.services.rollout.engine import Engine, Request, sample_tokens
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.seeds import derive_seed, uniforms
 
 VOCAB = 40
@@ -21,7 +21,7 @@ EOS = 1
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_model(seed: int = 0, precision: PrecisionConfig | None = None) -> CausalLM:
+def tiny_model(seed: int = 0, precision: Precision | None = None) -> CausalLM:
     torch.manual_seed(seed)
     args = ModelArgs(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=128, max_position_embeddings=256, eos_token_id=EOS)
@@ -142,7 +142,7 @@ def test_sampled_tokens_follow_the_probabilities() -> None:
 def test_a_sample_depends_on_its_seed_and_id_not_on_its_neighbours() -> None:
     """On the exact backend (batch-invariant logits) a request's tokens are the same alone, beside other requests,
     or joining mid-run; another engine seed or another request id draws other tokens."""
-    model = tiny_model(precision=PrecisionConfig(backend="exact"))
+    model = tiny_model(precision=Precision(backend="exact"))
 
     def run(seed: int, request_id: str, neighbours: int, join_after: int = 0) -> list[int]:
         engine = Engine(model, EOS, max_batch=4, max_len=64, seed=seed)

@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 from jetroll.services.trainer.warm_start import IGNORE_INDEX, init_weights, model_args, sft_batch, sft_lr
 from jetroll.shared.config.model import ModelConfig
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 
 STEPS, BATCH, LR = 200, 32, 3e-3
 TINY = ModelConfig(num_layers=1, intermediate_size=256)
 
 
-def train(precision: PrecisionConfig) -> tuple[float, float]:
+def train(precision: Precision) -> tuple[float, float]:
     """Held-out next-token loss on arithmetic answers before and after STEPS of SFT (same init, same data)."""
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
@@ -48,13 +48,13 @@ def train(precision: PrecisionConfig) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def fp32_loss() -> tuple[float, float]:
-    return train(PrecisionConfig(mode="fp32"))
+    return train(Precision(mode="fp32"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backward", ["fp8", "bf16"])
 def test_fp8_training_learns_like_fp32(backward: str, fp32_loss: tuple[float, float]) -> None:
-    before, after = train(PrecisionConfig(mode="fp8_unified", backward=backward))
+    before, after = train(Precision(mode="fp8_unified", backward=backward))
     print(f"held-out loss: fp32 {fp32_loss[0]:.3f} -> {fp32_loss[1]:.3f}; fp8 with {backward} backward "
           f"{before:.3f} -> {after:.3f}")
     assert after < 0.5 * before

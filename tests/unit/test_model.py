@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -143,7 +143,7 @@ def test_full_forward_is_differentiable_and_matches_inference() -> None:
 def test_precision_modes_differ_from_fp32_but_stay_close(mode: str) -> None:
     args = tiny_args(hidden_size=128, intermediate_size=256)
     reference = tiny_model(args)
-    model = CausalLM(args, PrecisionConfig(mode=mode)).eval()
+    model = CausalLM(args, Precision(mode=mode)).eval()
     load_state(model, reference.state_dict())
     ids = prompt()
     with torch.no_grad():

@@ -15,8 +15,8 @@ import torch
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.turns import TurnRunner, run_episodes
 from jetroll.services.trainer.passes import proximal_pass
-from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import EnvStep
@@ -140,7 +140,7 @@ def test_observations_are_masked_tagged_and_continued_from_the_kv_cache() -> Non
 
 
 def test_exact_backend_logprobs_after_an_observation_are_bitwise_the_trainers(tmp_path: Path) -> None:
-    precision = PrecisionConfig(mode="fp8_unified", backend="exact")
+    precision = Precision(mode="fp8_unified", backend="exact")
     save_pretrained(tiny_model(), TOKENIZER, tmp_path, publish=precision)
     rollout_model, _ = load_pretrained(tmp_path, precision)
     trainer_model, _ = load_pretrained(tmp_path, precision.trainer_side())
