@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from jetroll.services.launch.procs import stop_processes
 from jetroll.shared.config.job import load_config
 from jetroll.shared.config.store import StoreConfig
 from jetroll.shared.store.base import CHUNK_BYTES
@@ -153,12 +154,7 @@ def moto_server(timeout_s: float = 30.0) -> Iterator[str]:
                 time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_processes([process])
 
 
 def _row(case: str, backend: str, src: Path, runs: list[dict[str, float]], essential_s: list[float]) -> dict[str, Any]:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,22 +11,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from jetroll.services.launch.procs import Lives, stop_processes
 from jetroll.services.reward.backends import needs_celery_worker
+from jetroll.services.reward.celery_worker import start_worker_process
 from jetroll.shared.config.job import JobConfig, validate_config
 
 POLL_S = 0.5
-STOP_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
 class Service:
-    name: str  # also the base of the consumer name
+    lives: Lives  # its name is also the base of the consumer name
     kind: str  # controller | rollout | reward | trainer | celery (a reward worker)
     pool: str | None = None  # rollout: the pool it serves
     process: subprocess.Popen | None = None
-    num_restarts: int = 0
     is_done: bool = False
     log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.lives.name
 
 
 class Launcher:
@@ -40,32 +42,34 @@ class Launcher:
         self.config_path = run_dir / "config.json"
         self.config_path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
         (run_dir / "logs").mkdir(exist_ok=True)
-        rollouts = [Service(f"rollout-{pool.name}-{i}", "rollout", pool=pool.name)
+        def service(name: str, kind: str, pool: str | None = None) -> Service:
+            return Service(Lives(name, config.launch.max_restarts), kind, pool)
+
+        rollouts = [service(f"rollout-{pool.name}-{i}", "rollout", pool.name)
                     for pool in config.rollout.pools for i in range(pool.num_workers)]
-        self.services = [Service("trainer", "trainer"), Service("reward", "reward"), *rollouts,
-                         Service("controller", "controller")]
+        self.services = [service("trainer", "trainer"), service("reward", "reward"), *rollouts,
+                         service("controller", "controller")]
         if needs_celery_worker(config.reward, [task.name for task in config.tasks]):
-            self.services.insert(0, Service("celery-worker", "celery"))
+            self.services.insert(0, service("celery-worker", "celery"))
 
     def start(self, service: Service) -> None:
-        consumer = service.name if not service.num_restarts else f"{service.name}-r{service.num_restarts}"
+        if service.log is None:
+            service.log = (self.run_dir / "logs" / f"{service.name}.log").open("ab")
+        consumer = service.lives.consumer
+        if service.kind == "celery":
+            reward = self.config.reward
+            node = f"jetroll-{self.config.job_id}-{consumer}@localhost"
+            service.process = start_worker_process(reward, reward.celery_broker_url or self.redis_url, node,
+                                                   service.log)
+            return
         cmd = [sys.executable, "-m", "jetroll.services.cli", service.kind, "--config", str(self.config_path),
                "--redis-url", self.redis_url, "--consumer", consumer, "--run-dir", str(self.run_dir)]
         if service.pool is not None:
             cmd += ["--pool", service.pool]
-        env = None
-        if service.kind == "celery":
-            from jetroll.services.reward.celery_worker import worker_command, worker_env
-
-            reward = self.config.reward
-            cmd = worker_command(reward, node=f"jetroll-{self.config.job_id}-{consumer}@localhost")
-            env = {**os.environ, **worker_env(reward, reward.celery_broker_url or self.redis_url)}
-        if service.log is None:
-            service.log = (self.run_dir / "logs" / f"{service.name}.log").open("ab")
         # the controller owns the console (progress view); the others log to files
         out = None if service.kind == "controller" and self.is_console else service.log
         # own session: a Ctrl-C reaches only the launcher, which then stops every child in order
-        service.process = subprocess.Popen(cmd, stdout=out, stderr=service.log, start_new_session=True, env=env)
+        service.process = subprocess.Popen(cmd, stdout=out, stderr=service.log, start_new_session=True)
 
     def supervise(self) -> int:
         """Run until the controller finishes (0) or a service dies more than max_restarts times (1)."""
@@ -82,39 +86,24 @@ class Launcher:
                     if service.kind == "controller":
                         return 0
                     continue
-                if service.num_restarts >= self.config.launch.max_restarts:
-                    print(f"jetroll: service {service.name} died (exit {code}) after {service.num_restarts} "
+                lives = service.lives
+                if not lives.died():
+                    print(f"jetroll: service {service.name} died (exit {code}) after {lives.num_restarts} "
                           f"restarts; see {self.run_dir / 'logs' / (service.name + '.log')}", file=sys.stderr)
                     return 1
-                _kill_orphans(service)
-                service.num_restarts += 1
+                if service.kind == "celery":  # its pool children outlive the main process
+                    stop_processes([service.process], groups=True)
                 print(f"jetroll: service {service.name} died (exit {code}); restart "
-                      f"{service.num_restarts}/{self.config.launch.max_restarts}", file=sys.stderr)
+                      f"{lives.num_restarts}/{lives.max_restarts}", file=sys.stderr)
                 self.start(service)
 
     def stop(self) -> None:
-        live = [s.process for s in self.services if s.process and s.process.poll() is None]
-        for process in live:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for process in live:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        started = [s for s in self.services if s.process is not None]
+        stop_processes([s.process for s in started if s.kind != "celery"])
+        stop_processes([s.process for s in started if s.kind == "celery"], groups=True)
         for service in self.services:
-            _kill_orphans(service)
             if service.log:
                 service.log.close()
-
-
-def _kill_orphans(service: Service) -> None:
-    """A Celery worker's pool children outlive a killed main process: end its whole process group."""
-    if service.kind == "celery" and service.process is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(service.process.pid, signal.SIGKILL)
 
 
 def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jetroll.services.launch.procs import Lives, stop_processes
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import RedisBus, RedisUnreachable, server_version
@@ -223,17 +224,18 @@ class RayJob:
     async def _controller(self) -> int:
         from jetroll.services.launch.entrypoints import service_main
 
-        max_restarts = self.config.launch.max_restarts
-        for attempt in range(max_restarts + 1):
-            consumer = "controller" if not attempt else f"controller-r{attempt}"
+        lives = Lives("controller", self.config.launch.max_restarts)
+        while True:
             try:
-                await service_main("controller", self.config, self.redis_url, consumer, self.run_dir)
+                await service_main("controller", self.config, self.redis_url, lives.consumer, self.run_dir)
                 return 0
             except Exception as exc:
-                log.exception("%s failed", consumer)
-                what = f"restart {attempt + 1}/{max_restarts}" if attempt < max_restarts else "giving up"
+                log.exception("%s failed", lives.consumer)
+                is_restarted = lives.died()
+                what = f"restart {lives.num_restarts}/{lives.max_restarts}" if is_restarted else "giving up"
                 print(f"jetroll: controller failed ({type(exc).__name__}: {exc}); {what}", file=sys.stderr)
-        return 1
+                if not is_restarted:
+                    return 1
 
     def stop(self) -> None:
         import ray
@@ -250,20 +252,17 @@ class RayJob:
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         if self.celery is not None:  # its pool children outlive the main process: end the whole group
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.celery.pid, signal.SIGKILL)
-            self.celery.wait()
+            stop_processes([self.celery], groups=True)
 
 
 def _start_celery(config: JobConfig, redis_url: str, run_dir: Path) -> subprocess.Popen:
     """The Celery reward worker runs beside the driver, as the local launcher runs it."""
-    from jetroll.services.reward.celery_worker import worker_command, worker_env
+    from jetroll.services.reward.celery_worker import start_worker_process
 
     reward = config.reward
-    cmd = worker_command(reward, node=f"jetroll-{config.job_id}-celery-worker@localhost")
-    env = {**os.environ, **worker_env(reward, reward.celery_broker_url or redis_url)}
     with (run_dir / "logs" / "celery-worker.log").open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, env=env)
+        return start_worker_process(reward, reward.celery_broker_url or redis_url,
+                                    f"jetroll-{config.job_id}-celery-worker@localhost", out)
 
 
 async def _clear_replicas(redis_url: str, job_id: str) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from jetroll.services.launch.procs import stop_processes
 from jetroll.shared.protocol.bus import RedisUnreachable, server_version
 
 
@@ -117,13 +118,7 @@ class RedisServer:
         """Terminate the server (kill if it does not exit in time) and remove its temp dir."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_processes([proc], timeout_s)
             if proc.stderr:
                 proc.stderr.close()
         if self._tmp is not None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 
 from jetroll.services.launch.jobs import FINAL_STATUSES, SUMMARY_FIELDS, check_job_id
+from jetroll.services.launch.procs import Lives, stop_process
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import FIELD
@@ -80,14 +81,8 @@ async def run_while_running(argv: list[str], board: JobBoard, job_id: str, *, po
             if record is None or record.get("status") != "running":
                 return None
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), stop_timeout_s)
-            except TimeoutError:
-                log.warning("pid %d ignored SIGTERM for %.0f s; killing it", process.pid, stop_timeout_s)
-                process.kill()
-                await process.wait()
+        if await stop_process(process, stop_timeout_s):
+            log.warning("pid %d ignored SIGTERM for %.0f s; killed it", process.pid, stop_timeout_s)
 
 
 async def serve_job(name: str, consumer: str, config: JobConfig, config_path: Path, run_dir: Path,
@@ -96,17 +91,16 @@ async def serve_job(name: str, consumer: str, config: JobConfig, config_path: Pa
     """Run the service for the job, restarting it up to `launch.max_restarts` times while the job runs, as the local
     launcher does (each restart a new consumer, which reclaims the dead one's entries). Returns 0 when it finished,
     None when the job ended first, else the last exit code."""
-    max_restarts = config.launch.max_restarts
-    code = None
-    for num_restarts in range(max_restarts + 1):
-        name_i = consumer if not num_restarts else f"{consumer}-r{num_restarts}"
-        code = await run_while_running(argv(name, config_path, run_dir, name_i), board, config.job_id,
+    lives = Lives(consumer, config.launch.max_restarts)
+    while True:
+        code = await run_while_running(argv(name, config_path, run_dir, lives.consumer), board, config.job_id,
                                        poll_s=poll_s, stop_timeout_s=stop_timeout_s)
         if code is None or code == 0:
             return code
-        log.error("%s exited with %d in job %s (restart %d/%d)", name_i, code, config.job_id, num_restarts,
-                  max_restarts)
-    return code
+        log.error("%s exited with %d in job %s (restart %d/%d)", lives.consumer, code, config.job_id,
+                  lives.num_restarts, lives.max_restarts)
+        if not lives.died():
+            return code
 
 
 async def watch_jobs(redis_url: str, runs_dir: Path, consumer: str = JOBS.group, argv: ServiceArgv | None = None,

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
 from jetroll.functions.celery_app import make_app
+from jetroll.services.launch.procs import stop_processes
 from jetroll.shared.config.reward import RewardConfig
 
 
@@ -38,6 +40,14 @@ def worker_command(config: RewardConfig, node: str) -> list[str]:
             "--without-gossip", "--without-mingle", "--without-heartbeat"]
 
 
+def start_worker_process(config: RewardConfig, broker_url: str, node: str, log: IO[bytes] | int,
+                         env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """The worker in a process group of its own, so that a kill reaches its pool children too; `env` adds to the
+    inherited environment."""
+    return subprocess.Popen(worker_command(config, node), env={**os.environ, **(env or {}), **worker_env(config,
+                            broker_url)}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 class CeleryWorker:
     """One worker in its own process group, so that a kill reaches its pool children too."""
 
@@ -46,7 +56,7 @@ class CeleryWorker:
         self.config = config
         self.broker_url = broker_url
         self.log_path = log_path
-        self.env = {**os.environ, **(env or {}), **worker_env(config, broker_url)}
+        self.env = env
         self.node = f"jetroll-{uuid.uuid4().hex[:8]}@localhost"
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -60,8 +70,7 @@ class CeleryWorker:
         """Start and wait until the worker answers a ping; RuntimeError (with its log) if it does not."""
         self._log = self.log_path.open("ab") if self.log_path else None
         out = self._log if self._log is not None else subprocess.DEVNULL
-        self.process = subprocess.Popen(worker_command(self.config, self.node), env=self.env, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = start_worker_process(self.config, self.broker_url, self.node, out, self.env)
         app = make_app(self.broker_url, soft_time_limit_s=self.config.timeout_s,
                        hard_time_limit_s=self.config.celery_hard_time_limit_s,
                        visibility_timeout_s=self.config.celery_visibility_timeout_s)
@@ -85,14 +94,7 @@ class CeleryWorker:
         """Warm shutdown (SIGTERM to the main process), then SIGKILL whatever of the group is left."""
         if self.process is None:
             return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-        self.process.wait()
+        stop_processes([self.process], timeout_s, groups=True)
         if self._log is not None:
             self._log.close()
             self._log = None
