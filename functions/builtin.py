@@ -22,18 +22,20 @@ _INTEGER = re.compile(r"-?\d+")
 
 @reward("arithmetic")
 def arithmetic_reward(completion: str, answer: str) -> RewardOutput:
-    """1.0 for the exact integer; else 0.5 x the fraction of right-aligned characters that match (sign too).
+    """1.0 for the exact integer; else, for an integer of the right length, 0.5 x the fraction of its characters
+    that match (the sign too). Anything else scores 0: a dropped or extra leading digit or sign earns nothing.
 
-    The fraction's denominator is the longer of the two strings, so padding with extra digits does not pay.
-    Anything that is not an integer scores 0.
+    Crediting the right-aligned digits of a shorter answer made dropping the leading 1 of a carry into a new digit
+    (`159+888=` answered `047`) a cheap local optimum: one default run fell into it and lost 20 points of held-out
+    accuracy in 20 steps.
     """
     got, want = completion.strip(), answer.strip()
     if got == want:
         return RewardOutput(reward=1.0, correct=True)
-    if not _INTEGER.fullmatch(got):
+    if not _INTEGER.fullmatch(got) or len(got) != len(want):
         return RewardOutput(reward=0.0, correct=False)
-    matches = sum(g == w for g, w in zip(reversed(got), reversed(want), strict=False))
-    return RewardOutput(reward=0.5 * matches / max(len(got), len(want)), correct=False)
+    matches = sum(g == w for g, w in zip(got, want, strict=True))
+    return RewardOutput(reward=0.5 * matches / len(want), correct=False)
 
 
 @reward("count")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -90,7 +91,16 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
     commit = jetroll_commit()  # the code the cell's job starts with
     started = time.perf_counter()
     with open(out / "job.log", "wb") as log:
-        code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        job = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = job.wait()
+        except BaseException:  # interrupted: let the job stop its services and Redis (as Ctrl-C does) before it goes
+            job.send_signal(signal.SIGINT)
+            try:
+                job.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                job.kill()
+            raise
     wall_s = time.perf_counter() - started
     if code != 0:
         raise RuntimeError(f"bench learning cell {out.name} failed (exit {code}); see {out / 'job.log'}")

@@ -29,9 +29,14 @@ def test_arithmetic_exact() -> None:
 
 def test_arithmetic_partial() -> None:
     assert arithmetic_reward("574", "579") == RewardOutput(0.5 * 2 / 3, False)
-    assert arithmetic_reward("855", "-855") == RewardOutput(0.5 * 3 / 4, False)  # sign is a character
-    assert arithmetic_reward("10579", "579") == RewardOutput(0.5 * 3 / 5, False)  # extra digits cost
+    assert arithmetic_reward("-815", "-855") == RewardOutput(0.5 * 3 / 4, False)  # the sign is a character
     assert arithmetic_reward("123", "579") == RewardOutput(0.0, False)
+
+
+@pytest.mark.parametrize(("completion", "answer"), [("047", "1047"), ("1579", "579"), ("855", "-855"), ("-96", "96")])
+def test_arithmetic_wrong_length_earns_nothing(completion: str, answer: str) -> None:
+    """A dropped or extra leading digit or sign scores 0, whatever digits it gets right."""
+    assert arithmetic_reward(completion, answer) == RewardOutput(0.0, False)
 
 
 GARBAGE = ["", "   ", "abc", "57 9", "5-79", "--1", "1.0", "\x00\x01", "9" * 10_000]
