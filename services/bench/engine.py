@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.model.model import CausalLM, ModelArgs, load_state, save_pretrained
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_state, save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 

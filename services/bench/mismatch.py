@@ -24,7 +24,9 @@ from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model import exact
-from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 from jetroll.shared.rl.mismatch import mismatch_stats

@@ -13,7 +13,7 @@ from jetroll.services.controller.progress import MetricsBook, ProgressView, plot
 from jetroll.services.controller.routing import route_tasks
 from jetroll.services.rollout.evaluate import evaluate
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from jetroll.shared.model import exact
-from jetroll.shared.model.model import CausalLM, KVCache, load_state
+from jetroll.shared.model.checkpoint import load_state
+from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.precision import PACKED_MIN_ROWS
 from jetroll.shared.seeds import derive_seed, uniforms
 

@@ -21,7 +21,7 @@ from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.timing_engine import TimingEngine
 from jetroll.services.rollout.turns import TurnRunner
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.model.model import CausalLM, load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import published_dtype
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import MetricsEvent, ScoredEvent, WeightsPublishedEvent

@@ -26,7 +26,9 @@ from safetensors.torch import load_file
 from jetroll.services.rollout.evaluate import accuracy_on
 from jetroll.shared.config.base import WarmStartError
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
-from jetroll.shared.model.model import CausalLM, ModelArgs, load_state, save_pretrained
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_state, save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import Tokenizer, build_char_tokenizer
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.tasks.env import is_multi_turn

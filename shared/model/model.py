@@ -1,4 +1,4 @@
-"""A compact Qwen2/Llama-compatible causal LM (RMSNorm, RoPE, GQA, SwiGLU) with HF-format I/O.
+"""A compact Qwen2/Llama-compatible causal LM (RMSNorm, RoPE, GQA, SwiGLU); its HF-format I/O is checkpoint.py.
 
 The trainer's full-sequence forward and the rollout engine's KV-cache decode run the same modules;
 every block linear goes through `precision.py`. On the exact backend, no-grad passes run every op on the log-prob
@@ -7,101 +7,21 @@ path through `exact.py`, so decode and the full forward agree to the bit.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from jetroll.shared.model import exact
+from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import (
     InferenceWeights,
     PrecisionLinear,
     is_inference,
-    quantization_config,
     use_exact,
 )
-from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelArgs:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    attention_bias: bool = True  # Qwen2 has q/k/v biases, Llama has none
-    model_type: str = "qwen2"
-    eos_token_id: int = 1
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> ModelArgs:
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        if config.get("head_dim", hidden // heads) != hidden // heads:
-            raise ValueError("head_dim != hidden_size / num_attention_heads is not supported")
-        eos = config.get("eos_token_id", 1)
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=hidden,
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads", heads),
-            intermediate_size=config["intermediate_size"],
-            max_position_embeddings=config["max_position_embeddings"],
-            rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 1e4))),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            attention_bias=config.get("attention_bias", model_type == "qwen2"),
-            model_type=model_type,
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        )
-
-    def to_hf(self) -> dict[str, Any]:
-        arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]
-        config = {
-            "architectures": [arch],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "eos_token_id": self.eos_token_id,
-            "bos_token_id": self.eos_token_id,
-            "torch_dtype": "float32",
-            "use_sliding_window": False,
-        }
-        if self.model_type == "llama":
-            config["attention_bias"] = self.attention_bias
-        return config
 
 
 class KVCache:
@@ -377,78 +297,3 @@ class CausalLM(nn.Module):
             for value in vars(module).values():
                 if isinstance(value, InferenceWeights):
                     value.refresh()
-
-
-def save_pretrained(
-    model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path, publish: Precision | None = None
-) -> None:
-    """Write an HF-format directory: config.json, model.safetensors and the tokenizer files.
-
-    Without `publish`, every tensor is the fp32 master (checkpoints, base models). With the job's precision as
-    `publish`, block linears are written in their rollout format: FP8 ones as `weight` (F8_E4M3, [out, in],
-    unpadded) plus `weight_scale_inv` (fp32, [ceil(out/128), ceil(in/128)]) and a `quantization_config` in
-    config.json, as vLLM and DeepSeek-V3 read them; bf16 ones as bf16. Everything else stays fp32.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    config = model.args.to_hf()
-    if publish is not None:
-        ignored = []
-        for name, module in model.named_modules():
-            if isinstance(module, PrecisionLinear):
-                state.update({f"{name}.{k}": v for k, v in module.published(publish).items()})
-                if publish.linear_format(module.name) != "fp8":
-                    ignored.append(name)
-        if (quantization := quantization_config(publish, ignored)) is not None:
-            config["quantization_config"] = quantization
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    if tokenizer is not None:
-        tokenizer.save(directory)
-
-
-def load_pretrained(directory: str | Path, precision: Precision | None = None) -> tuple[CausalLM, Tokenizer]:
-    """Load any HF-format Qwen2/Llama directory (safetensors shards, fp32/bf16 or block-FP8) into a CausalLM on the
-    CPU: fp32 masters, and FP8 linears keep their published e4m3 values and scales."""
-    directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json")
-    hf_config = json.loads(config_path.read_text())
-    args = ModelArgs.from_hf(hf_config)
-    model = CausalLM(args, precision)
-    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
-    if block is not None and list(block) != [model.precision.weight_block] * 2:
-        raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "
-                         f"{model.precision.weight_block}")
-    shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
-    load_state(model, {k: v for shard in shards for k, v in load_file(str(shard)).items()})
-    return model, load_tokenizer(directory)
-
-
-def load_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
-    """Copy tensors into the model in place (keeps parameter identity, so optimizers stay valid).
-
-    An FP8 `weight` with its `weight_scale_inv` loads through `PrecisionLinear.load_fp8`.
-    """
-    if model.args.tie_word_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    fp8 = [k.removesuffix(".weight_scale_inv") for k in state if k.endswith(".weight_scale_inv")]
-    fp8_keys = {f"{prefix}.{name}" for prefix in fp8 for name in ("weight", "weight_scale_inv")}
-    plain = {k: v.float() for k, v in state.items() if k not in fp8_keys}
-    missing, unexpected = model.load_state_dict(plain, strict=False)
-    is_tied = model.args.tie_word_embeddings
-    missing = [k for k in missing if k not in fp8_keys and not (k == "lm_head.weight" and is_tied)]
-    modules = dict(model.named_modules())
-    unexpected += [f"{p}.weight_scale_inv" for p in fp8 if not isinstance(modules.get(p), PrecisionLinear)]
-    if missing or unexpected:
-        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for prefix in fp8:
-        linear = modules[prefix]
-        assert isinstance(linear, PrecisionLinear)
-        linear.load_fp8(state[f"{prefix}.weight"], state[f"{prefix}.weight_scale_inv"])

@@ -24,7 +24,8 @@ from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.warm_start import ensure_base_model, init_weights, model_args
 from jetroll.shared.config.job import load_config, validate_config
 from jetroll.shared.config.model import ModelConfig
-from jetroll.shared.model.model import CausalLM, save_pretrained
+from jetroll.shared.model.checkpoint import save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import (

@@ -25,7 +25,8 @@ from jetroll.services.trainer.trainer import Trainer
 from jetroll.services.trainer.warm_start import init_weights, model_args
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.config.model import ModelConfig
-from jetroll.shared.model.model import CausalLM, load_pretrained, save_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import (

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.passes import proximal_pass
-from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.numerics import Precision
 
 

@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.rollout.engine import Engine, Request
-from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 

@@ -10,7 +10,8 @@ import torch
 
 from jetroll.services.rollout import engine as engine_module
 from jetroll.services.rollout.engine import Engine, Request, sample_tokens
-from jetroll.shared.model.model import CausalLM, ModelArgs
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.seeds import derive_seed, uniforms
 

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import BLOCK_LINEARS, Precision
 from jetroll.shared.model.precision import PrecisionLinear
 from jetroll.shared.model.tokenizer import build_char_tokenizer

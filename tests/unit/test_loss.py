@@ -10,7 +10,8 @@ import torch
 from jetroll.services.trainer.passes import gradient_rows, policy_width
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
-from jetroll.shared.model.model import CausalLM, ModelArgs
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from jetroll.shared.config.trainer import TrainerConfig
-from jetroll.shared.model.model import CausalLM, ModelArgs
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.rl.batch import pack_groups
 from jetroll.shared.rl.loss import ppo_loss, token_logprobs

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.model import exact
-from jetroll.shared.model.model import CausalLM, KVCache, ModelArgs, load_state
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_state
+from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import FP8_MAX, SCALE_EPS, PrecisionLinear, dequantize, fake_quant, quantize
 

@@ -15,7 +15,9 @@ import torch
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.turns import TurnRunner, run_episodes
 from jetroll.services.trainer.passes import proximal_pass
-from jetroll.shared.model.model import CausalLM, ModelArgs, load_pretrained, save_pretrained
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
+from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.tasks.base import Problem

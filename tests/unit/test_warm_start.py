@@ -17,7 +17,7 @@ from jetroll.services.trainer import warm_start
 from jetroll.services.trainer.warm_start import build_base_model, config_hash, ensure_base_model
 from jetroll.shared.config.base import WarmStartError
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
-from jetroll.shared.model.model import load_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.tasks.registry import get_task
 

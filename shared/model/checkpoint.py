@@ -1,0 +1,91 @@
+"""HF-format model directories: config.json, safetensors weights (fp32 masters, or as rollout computes with them)
+and the tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.model import CausalLM
+from jetroll.shared.model.numerics import Precision
+from jetroll.shared.model.precision import PrecisionLinear, quantization_config
+from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
+
+
+def save_pretrained(
+    model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path, publish: Precision | None = None
+) -> None:
+    """Write an HF-format directory: config.json, model.safetensors and the tokenizer files.
+
+    Without `publish`, every tensor is the fp32 master (checkpoints, base models). With the job's precision as
+    `publish`, block linears are written in their rollout format: FP8 ones as `weight` (F8_E4M3, [out, in],
+    unpadded) plus `weight_scale_inv` (fp32, [ceil(out/128), ceil(in/128)]) and a `quantization_config` in
+    config.json, as vLLM and DeepSeek-V3 read them; bf16 ones as bf16. Everything else stays fp32.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    config = model.args.to_hf()
+    if publish is not None:
+        ignored = []
+        for name, module in model.named_modules():
+            if isinstance(module, PrecisionLinear):
+                state.update({f"{name}.{k}": v for k, v in module.published(publish).items()})
+                if publish.linear_format(module.name) != "fp8":
+                    ignored.append(name)
+        if (quantization := quantization_config(publish, ignored)) is not None:
+            config["quantization_config"] = quantization
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def load_pretrained(directory: str | Path, precision: Precision | None = None) -> tuple[CausalLM, Tokenizer]:
+    """Load any HF-format Qwen2/Llama directory (safetensors shards, fp32/bf16 or block-FP8) into a CausalLM on the
+    CPU: fp32 masters, and FP8 linears keep their published e4m3 values and scales."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json")
+    hf_config = json.loads(config_path.read_text())
+    args = ModelArgs.from_hf(hf_config)
+    model = CausalLM(args, precision)
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+    if block is not None and list(block) != [model.precision.weight_block] * 2:
+        raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "
+                         f"{model.precision.weight_block}")
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+    load_state(model, {k: v for shard in shards for k, v in load_file(str(shard)).items()})
+    return model, load_tokenizer(directory)
+
+
+def load_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
+    """Copy tensors into the model in place (keeps parameter identity, so optimizers stay valid).
+
+    An FP8 `weight` with its `weight_scale_inv` loads through `PrecisionLinear.load_fp8`.
+    """
+    if model.args.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    fp8 = [k.removesuffix(".weight_scale_inv") for k in state if k.endswith(".weight_scale_inv")]
+    fp8_keys = {f"{prefix}.{name}" for prefix in fp8 for name in ("weight", "weight_scale_inv")}
+    plain = {k: v.float() for k, v in state.items() if k not in fp8_keys}
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    is_tied = model.args.tie_word_embeddings
+    missing = [k for k in missing if k not in fp8_keys and not (k == "lm_head.weight" and is_tied)]
+    modules = dict(model.named_modules())
+    unexpected += [f"{p}.weight_scale_inv" for p in fp8 if not isinstance(modules.get(p), PrecisionLinear)]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for prefix in fp8:
+        linear = modules[prefix]
+        assert isinstance(linear, PrecisionLinear)
+        linear.load_fp8(state[f"{prefix}.weight"], state[f"{prefix}.weight_scale_inv"])
