@@ -1,6 +1,6 @@
-"""S3WeightStore against a real S3 server (moto's ThreadedMotoServer on 127.0.0.1): publish order, conditional
-writes, verification, retention, checkpoints, the rollout worker's refusal and polling, and a trainer resumed from S3.
-"""
+"""S3WeightStore's own details against a real S3 server (moto's ThreadedMotoServer on 127.0.0.1): its layout,
+multipart uploads, conditional-write races, the cache, the rollout worker's refusal and polling, and a trainer
+resumed from S3. The contract both backends keep is test_store_contract.py."""
 
 from __future__ import annotations
 
@@ -268,62 +268,6 @@ def test_partial_upload_is_never_visible(
     assert (asyncio.run(store.fetch(1)) / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
-def test_retention(s3_url: str, s3: Any, bucket: str, tmp_path: Path) -> None:
-    store = make_store(s3_url, bucket, tmp_path / "cache")
-    src = model_dir(tmp_path / "src")
-    for version in range(8):
-        asyncio.run(publish(store, version, src, is_checkpoint=version in (1, 4)))
-    assert asyncio.run(store.retain(keep_last=2)) == [0, 2, 3, 5]
-    assert asyncio.run(store.versions()) == [1, 4, 6, 7]
-    remaining = {k.split("/")[3] for k in keys(s3, bucket, f"{PREFIX}/{JOB}/weights/v")}
-    assert remaining == {"v00000001", "v00000004", "v00000006", "v00000007"}  # no orphan shards either
-    for version in (1, 4, 6, 7):
-        asyncio.run(store.fetch(version))
-    assert asyncio.run(store.retain(keep_last=2)) == []
-
-    # LATEST is kept even outside the last K: a publish of 6 died after its manifest, before the CAS.
-    store2 = make_store(s3_url, bucket, tmp_path / "cache2", job="job2")
-    for version in (0, 5, 6):
-        asyncio.run(publish(store2, version, src))
-    s3.put_object(Bucket=bucket, Key=f"{PREFIX}/job2/weights/LATEST", Body=b"5\n")
-    assert asyncio.run(store2.retain(keep_last=1)) == [0]
-    assert asyncio.run(store2.versions()) == [5, 6]
-    with pytest.raises(ValueError, match="keep_last"):
-        asyncio.run(store.retain(0))
-
-
-def test_checkpoints_save_latest_and_fall_back(s3_url: str, s3: Any, bucket: str, tmp_path: Path) -> None:
-    store = make_store(s3_url, bucket, tmp_path / "cache")
-    assert asyncio.run(store.latest_checkpoint()) is None
-    with pytest.raises(WeightStoreError, match="does not exist"):
-        asyncio.run(store.save_checkpoint(1, tmp_path / "missing"))
-    assert keys(s3, bucket) == []
-
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "master.safetensors").write_bytes(b"\x01" * 5000)
-    (ckpt / "optimizer.safetensors").write_bytes(b"\x02" * 700)
-    (ckpt / "state.json").write_text(json.dumps({"step": 20}))
-    asyncio.run(store.save_checkpoint(20, ckpt))
-    (ckpt / "state.json").write_text(json.dumps({"step": 40}))
-    asyncio.run(store.save_checkpoint(40, ckpt))
-    with pytest.raises(WeightStoreError, match="step 40 already exists"):
-        asyncio.run(store.save_checkpoint(40, ckpt))
-    # a checkpoint whose upload died before its manifest does not exist
-    s3.put_object(Bucket=bucket, Key=f"{PREFIX}/{JOB}/checkpoints/step00000060/master.safetensors", Body=b"half")
-
-    step, path = asyncio.run(store.latest_checkpoint())
-    assert step == 40 and path == store.cache_dir / "checkpoints" / "step00000040"
-    assert json.loads((path / "state.json").read_text()) == {"step": 40}
-
-    # A corrupted newest checkpoint is not trusted: resume falls back to the last one that verifies.
-    corrupt(s3, bucket, f"{PREFIX}/{JOB}/checkpoints/step00000040/master.safetensors")
-    for cached in (store.cache_dir / "checkpoints").iterdir():
-        for f in cached.iterdir():
-            f.unlink()
-        cached.rmdir()  # a fresh machine: nothing cached
-    step, path = asyncio.run(store.latest_checkpoint())
-    assert step == 20 and json.loads((path / "state.json").read_text()) == {"step": 20}
 
 
 @pytest.fixture(scope="module")
