@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from helpers import wait_until_async
 
 from jetroll.services.reward.backends.base import RewardBackend
 from jetroll.services.reward.router import RewardRouter
@@ -136,10 +136,10 @@ async def running_router(redis_url: str, job_id: str, backends: Mapping[str, Rew
 
 async def wait_scored(bus: RedisBus, num_expected: int, timeout_s: float, grace_s: float = 1.0) -> list[ScoredEvent]:
     """All Scored events once `num_expected` exist, after `grace_s` more (would a duplicate show up late?)."""
-    deadline = time.monotonic() + timeout_s
-    while await bus.redis.xlen(bus.key(TRAJ_SCORED.name)) < num_expected:
-        assert time.monotonic() < deadline, f"fewer than {num_expected} scored events after {timeout_s}s"
-        await asyncio.sleep(0.05)
+    async def scored_all() -> bool:
+        return await bus.redis.xlen(bus.key(TRAJ_SCORED.name)) >= num_expected
+
+    await wait_until_async(scored_all, f"{num_expected} scored events", timeout_s)
     await asyncio.sleep(grace_s)
     _, scored = await bus.tail(TRAJ_SCORED.name, block_ms=0, count=10_000)
     assert all(isinstance(e, ScoredEvent) for e in scored)

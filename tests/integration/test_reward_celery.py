@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from helpers import wait_until_async
 from reward_harness import (
     PYTHONPATH,
     REWARD_MODULES,
@@ -64,13 +65,11 @@ def start_worker(redis_url: str, tmp_path: Path) -> Iterator[Callable[[RewardCon
 
 async def wait_for_pids(path: Path, count: int, timeout_s: float = 20.0) -> list[int]:
     """The pids `test_pid_sleep` wrote to `path`, once there are `count` of them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pids = [int(line) for line in path.read_text().split()] if path.exists() else []
-        if len(pids) >= count:
-            return pids
-        assert time.monotonic() < deadline, f"only {len(pids)} of {count} runs started"
-        await asyncio.sleep(0.02)
+    async def pids() -> list[int] | None:
+        found = [int(line) for line in path.read_text().split()] if path.exists() else []
+        return found if len(found) >= count else None
+
+    return await wait_until_async(pids, f"{count} runs to start", timeout_s, interval_s=0.02)
 
 
 def test_pool_child_killed_mid_task_is_redelivered_and_scored_once(

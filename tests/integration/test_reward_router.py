@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ended, wait_until_async
 
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
@@ -92,11 +92,10 @@ async def route(
         for event in events:
             await bus.publish(TRAJ_RAW.name, event)
         runner = asyncio.create_task(router.run())
-        deadline = time.monotonic() + 30
-        while await bus.redis.xlen(bus.key(TRAJ_SCORED.name)) < num_expected:
-            assert time.monotonic() < deadline, "router did not score everything in time"
-            assert not runner.done(), runner.exception()
-            await asyncio.sleep(0.05)
+        async def scored_all() -> bool:
+            return await bus.redis.xlen(bus.key(TRAJ_SCORED.name)) >= num_expected
+
+        await wait_until_async(scored_all, f"{num_expected} scored events", 30, gone=ended(runner))
         await asyncio.sleep(0.5)  # would a duplicate be published late?
         router.stop()
         stopped, _ = await asyncio.wait({runner}, timeout=30)

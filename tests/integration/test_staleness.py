@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from helpers import ended, wait_until_async
 from test_job import hold_streams
 
 from jetroll.services.launch.local import Launcher
@@ -89,14 +90,7 @@ def scored(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int]) -
 async def until(predicate: Callable[[], Awaitable[bool]], task: asyncio.Task[None], what: str,
                 timeout_s: float = 60.0) -> None:
     """Poll `predicate` while `task` runs; a dead task raises its error, a timeout names what never happened."""
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        if task.done():
-            task.result()
-            pytest.fail(f"the service stopped before {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+    await wait_until_async(predicate, what, timeout_s, interval_s=0.005, gone=ended(task))
 
 
 async def stop(task: asyncio.Task[None]) -> None:

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import boto3
 import msgspec
 import pytest
 import redis
-from helpers import JETROLL, wait_until
+from helpers import JETROLL, ended, wait_until, wait_until_async
 
 from jetroll.services.launch import watch
 from jetroll.services.launch.jobs import load_job_config
@@ -128,11 +127,11 @@ def test_controller_watcher_dead_letters_bad_jobs_and_runs_the_rest(jobs_redis: 
     async def scenario() -> None:
         watcher = asyncio.create_task(watch.watch_jobs(redis_url, runs, "controller-test",
                                                        fake_argv(FAKE_CONTROLLER, calls), poll_s=0.05))
-        deadline = time.monotonic() + 60
-        while statuses(jobs_redis).get("good2", {}).get("status") != "done":
-            assert not watcher.done(), watcher.exception()
-            assert time.monotonic() < deadline, statuses(jobs_redis)
-            await asyncio.sleep(0.05)
+        async def done() -> bool:
+            return statuses(jobs_redis).get("good2", {}).get("status") == "done"
+
+        await wait_until_async(done, "job good2 to be done", 60, gone=ended(watcher),
+                               context=lambda: str(statuses(jobs_redis)))
         assert not watcher.done()  # still watching
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -203,10 +202,11 @@ def test_services_join_running_jobs_leave_ended_ones_and_fail_them_after_restart
         set_status("stubborn", "done")
         set_status("crashy", "running")
         announce(jobs_redis, "crashy")
-        deadline = time.monotonic() + 20
-        while statuses(jobs_redis)["crashy"]["status"] != "failed":
-            assert not service.done() and time.monotonic() < deadline, read_calls(calls)
-            await asyncio.sleep(0.02)
+        async def failed() -> bool:
+            return statuses(jobs_redis)["crashy"]["status"] == "failed"
+
+        await wait_until_async(failed, "job crashy to fail", 20, interval_s=0.02, gone=ended(service),
+                               context=lambda: str(read_calls(calls)))
         assert not service.done()
         service.cancel()
         await asyncio.gather(service, return_exceptions=True)
