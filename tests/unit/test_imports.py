@@ -12,8 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("shared", "services", "functions")
 PROTOCOL = "jetroll.shared.protocol"
-# Celery's broker is Redis, so the Celery app configures its client itself; it is the one allowed exception.
-REDIS_ALLOWED = {"jetroll.functions.celery_app"}
 
 
 def package_modules() -> dict[str, Path]:
@@ -111,7 +109,6 @@ def test_the_package_has_no_import_cycles() -> None:
 
 def test_only_the_protocol_room_imports_redis() -> None:
     offenders = sorted(module for module, path in package_modules().items()
-                       if not module.startswith(PROTOCOL) and module not in REDIS_ALLOWED
-                       and any(name == "redis" or name.startswith("redis.")
+                       if not module.startswith(PROTOCOL) and any(name == "redis" or name.startswith("redis.")
                                for name in imported_names(module, path)))
     assert offenders == []
