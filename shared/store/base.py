@@ -11,10 +11,13 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import msgspec
 from botocore.exceptions import ClientError
@@ -59,8 +62,60 @@ class CheckpointManifest(msgspec.Struct, frozen=True):
     created_at: float
 
 
-class WeightStore(Protocol):
-    """Where the trainer publishes weight versions and checkpoints and rollout workers fetch them."""
+class WeightStore(ABC):
+    """Where the trainer publishes weight versions and checkpoints and rollout workers fetch them.
+
+    The algorithm is written once here, over a backend's few primitives. Keys are relative to the job's root
+    (`weights/v00000001/manifest.json`, `weights/LATEST`, `checkpoints/step00000020/...`), and each primitive takes
+    the handle `_connect()` opened for the operation (an S3 client; nothing for a local directory).
+    """
+
+    # --- the primitives a backend provides ---
+
+    @abstractmethod
+    def _connect(self) -> AbstractAsyncContextManager[Any]: ...
+
+    @abstractmethod
+    async def _read(self, io: Any, key: str) -> bytes | None:
+        """The bytes at `key`, or None when there are none."""
+
+    @abstractmethod
+    async def _put_tree(self, io: Any, src_dir: Path, prefix: str) -> list[Shard]:
+        """Copy `src_dir`'s files under `prefix`, hashing each byte once, over whatever a dead writer left there."""
+
+    @abstractmethod
+    async def _put_create_only(self, io: Any, key: str, data: bytes) -> bool:
+        """Write `key` unless it exists; False when it holds other bytes (a retried write of ours counts as won)."""
+
+    @abstractmethod
+    async def _read_latest(self, io: Any) -> tuple[int | None, Any]:
+        """LATEST (None before the first publish) and the token its swap needs."""
+
+    @abstractmethod
+    async def _swap_latest(self, io: Any, token: Any, new: int) -> bool:
+        """Set LATEST to `new` unless it moved since `token` was read."""
+
+    @abstractmethod
+    async def _numbered(self, io: Any, prefix: str, name_prefix: str) -> list[int]:
+        """N of every `{prefix}/{name_prefix}{N}/manifest.json`, ascending: the published versions or checkpoints."""
+
+    @abstractmethod
+    async def _delete(self, io: Any, prefix: str) -> None:
+        """Delete what lies under `prefix`, its manifest first, so a half-deleted version never looks published."""
+
+    @abstractmethod
+    async def _materialize(self, io: Any, prefix: str, shards: list[Shard], manifest: bytes, what: str) -> Path:
+        """A local dir holding `prefix`'s files, every size and sha256 verified; WeightStoreError otherwise."""
+
+    @abstractmethod
+    def _where(self, key: str) -> str:
+        """Where `key` lives, for messages and the `weights` event."""
+
+    # --- the algorithm ---
+
+    def uri(self, version: int) -> str:
+        """Where the version's manifest lives, for the `weights` event."""
+        return self._where(f"weights/{version_name(version)}/{MANIFEST}")
 
     async def publish(
         self,
@@ -74,37 +129,92 @@ class WeightStore(Protocol):
         is_checkpoint: bool = False,
     ) -> Manifest:
         """Copy `src_dir`'s files, write the manifest create-only, then move LATEST forward (never back)."""
-        ...
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        prefix = f"weights/{version_name(version)}"
+        async with self._connect() as io:
+            if await self._read(io, f"{prefix}/{MANIFEST}") is not None:
+                raise WeightStoreError(f"version {version} is already published ({self.uri(version)})")
+            manifest = Manifest(version=version, step=step, shards=await self._put_tree(io, Path(src_dir), prefix),
+                                precision_id=precision_id, dtype=dtype, parent=parent, created_at=time.time(),
+                                is_checkpoint=is_checkpoint)
+            if not await self._put_create_only(io, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
+                raise WeightStoreError(f"version {version} was published concurrently ({self.uri(version)})")
+            while True:
+                latest, token = await self._read_latest(io)
+                if latest is not None and latest >= version or await self._swap_latest(io, token, version):
+                    return manifest
 
     async def latest(self) -> int | None:
         """The LATEST version, or None before the first publish."""
-        ...
+        async with self._connect() as io:
+            return (await self._read_latest(io))[0]
 
-    async def manifest(self, version: int) -> Manifest: ...
+    async def _manifest(self, io: Any, version: int) -> tuple[Manifest, bytes]:
+        raw = await self._read(io, f"weights/{version_name(version)}/{MANIFEST}")
+        if raw is None:
+            raise WeightStoreError(f"version {version} is not published (no {self.uri(version)})")
+        try:
+            return msgspec.json.decode(raw, type=Manifest), raw
+        except msgspec.DecodeError as exc:
+            raise WeightStoreError(f"version {version}: bad manifest {self.uri(version)}: {exc}") from None
+
+    async def manifest(self, version: int) -> Manifest:
+        async with self._connect() as io:
+            return (await self._manifest(io, version))[0]
 
     async def fetch(self, version: int) -> Path:
         """A local dir with the version's files, every sha256 and size verified; WeightStoreError otherwise."""
-        ...
+        async with self._connect() as io:
+            manifest, raw = await self._manifest(io, version)
+            return await self._materialize(io, f"weights/{version_name(version)}", manifest.shards, raw,
+                                           f"version {version}")
 
     async def versions(self) -> list[int]:
         """Published versions (those with a manifest), ascending."""
-        ...
+        async with self._connect() as io:
+            return await self._numbered(io, "weights", "v")
 
     async def retain(self, keep_last: int) -> list[int]:
         """Delete versions older than the newest `keep_last`, sparing checkpoint ones and LATEST."""
-        ...
-
-    def uri(self, version: int) -> str:
-        """Where the version's manifest lives, for the `weights` event."""
-        ...
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        deleted = []
+        async with self._connect() as io:
+            versions, (latest, _) = await self._numbered(io, "weights", "v"), await self._read_latest(io)
+            for version in retention_candidates(versions, keep_last, latest):
+                if not (await self._manifest(io, version))[0].is_checkpoint:
+                    await self._delete(io, f"weights/{version_name(version)}")
+                    deleted.append(version)
+        return deleted
 
     async def save_checkpoint(self, step: int, src_dir: Path) -> None:
-        """Store a trainer checkpoint atomically: it is either whole or absent."""
-        ...
+        """The files, then the manifest create-only: a checkpoint without its manifest does not exist."""
+        prefix = f"checkpoints/{step_name(step)}"
+        async with self._connect() as io:
+            if await self._read(io, f"{prefix}/{MANIFEST}") is not None:
+                raise WeightStoreError(f"checkpoint for step {step} already exists ({self._where(prefix)})")
+            manifest = CheckpointManifest(step=step, shards=await self._put_tree(io, Path(src_dir), prefix),
+                                          created_at=time.time())
+            if not await self._put_create_only(io, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
+                raise WeightStoreError(f"checkpoint for step {step} was saved concurrently ({self._where(prefix)})")
 
     async def latest_checkpoint(self) -> tuple[int, Path] | None:
         """(step, dir) of the newest checkpoint that verifies, or None."""
-        ...
+        async with self._connect() as io:
+            for step in reversed(await self._numbered(io, "checkpoints", "step")):
+                prefix = f"checkpoints/{step_name(step)}"
+                try:
+                    raw = await self._read(io, f"{prefix}/{MANIFEST}")
+                    if raw is None:
+                        raise WeightStoreError("its manifest vanished")
+                    manifest = msgspec.json.decode(raw, type=CheckpointManifest)
+                    path = await self._materialize(io, prefix, manifest.shards, raw, f"checkpoint step {step}")
+                except (OSError, msgspec.DecodeError, WeightStoreError) as exc:
+                    log.warning("skipping checkpoint %s: %s", self._where(prefix), exc)
+                    continue
+                return step, path
+        return None
 
 
 def sha256_of(path: Path) -> str:

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
-import os
 import shutil
-import time
-import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
-
-import msgspec
+from typing import Any
 
 from jetroll.shared.store.base import (
     LATEST,
     MANIFEST,
-    CheckpointManifest,
-    Manifest,
-    WeightStoreError,
+    Shard,
+    WeightStore,
     copy_tree,
-    encode_manifest,
-    log,
     parse_number,
-    retention_candidates,
-    step_name,
     verify_files,
     version_name,
     write_atomic,
@@ -31,175 +24,93 @@ from jetroll.shared.store.base import (
 )
 
 
-class LocalWeightStore:
-    """The embedded default: `{root}/{job_id}/weights/v{version:08d}/` and `.../checkpoints/step{step:08d}/`."""
+class LocalWeightStore(WeightStore):
+    """The embedded default: `{root}/{job_id}/weights/v{version:08d}/` and `.../checkpoints/step{step:08d}/`. The
+    primitives are blocking file operations, each run in a thread."""
 
     def __init__(self, root: Path, job_id: str) -> None:
         self.root = Path(root).expanduser().resolve()
         self.job_id = job_id
-        self.weights_dir = self.root / job_id / "weights"
-        self.checkpoints_dir = self.root / job_id / "checkpoints"
+        self.job_dir = self.root / job_id
+        self.weights_dir = self.job_dir / "weights"
+        self.checkpoints_dir = self.job_dir / "checkpoints"
 
     def version_dir(self, version: int) -> Path:
         return self.weights_dir / version_name(version)
 
-    def uri(self, version: int) -> str:
-        return (self.version_dir(version) / MANIFEST).as_uri()
+    @contextlib.asynccontextmanager
+    async def _connect(self) -> AsyncIterator[None]:
+        yield None
 
-    async def publish(
-        self,
-        version: int,
-        step: int,
-        src_dir: Path,
-        *,
-        precision_id: str,
-        dtype: str,
-        parent: int | None,
-        is_checkpoint: bool = False,
-    ) -> Manifest:
-        return await asyncio.to_thread(
-            self._publish, version, step, Path(src_dir), precision_id, dtype, parent, is_checkpoint
-        )
+    def _where(self, key: str) -> str:
+        return (self.job_dir / key).as_uri()
 
-    def _publish(
-        self,
-        version: int,
-        step: int,
-        src_dir: Path,
-        precision_id: str,
-        dtype: str,
-        parent: int | None,
-        is_checkpoint: bool,
-    ) -> Manifest:
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
-        vdir = self.version_dir(version)
-        manifest_path = vdir / MANIFEST
-        if manifest_path.exists():
-            raise WeightStoreError(f"version {version} is already published ({manifest_path})")
-        if vdir.exists():
-            shutil.rmtree(vdir)  # leftovers of a publish that crashed before its manifest
-        vdir.mkdir(parents=True)
-        manifest = Manifest(
-            version=version,
-            step=step,
-            shards=copy_tree(src_dir, vdir),
-            precision_id=precision_id,
-            dtype=dtype,
-            parent=parent,
-            created_at=time.time(),
-            is_checkpoint=is_checkpoint,
-        )
+    async def _read(self, io: Any, key: str) -> bytes | None:
+        path = self.job_dir / key
         try:
-            write_create_only(manifest_path, encode_manifest(manifest))
-        except FileExistsError:
-            raise WeightStoreError(f"version {version} was published concurrently ({manifest_path})") from None
-        while True:
-            expected = self._read_latest()
-            if expected is not None and expected >= version:
-                break
-            if self._cas_latest(expected, version):
-                break
-        return manifest
+            return await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            return None
 
-    def _read_latest(self) -> int | None:
+    async def _put_tree(self, io: Any, src_dir: Path, prefix: str) -> list[Shard]:
+        def put() -> list[Shard]:
+            dst = self.job_dir / prefix
+            shutil.rmtree(dst, ignore_errors=True)  # leftovers of a write that died before its manifest
+            dst.mkdir(parents=True)
+            return copy_tree(src_dir, dst)
+
+        return await asyncio.to_thread(put)
+
+    async def _put_create_only(self, io: Any, key: str, data: bytes) -> bool:
+        path = self.job_dir / key
+        try:
+            await asyncio.to_thread(write_create_only, path, data)
+            return True
+        except FileExistsError:
+            return await self._read(io, key) == data
+
+    def _latest_now(self) -> int | None:
         try:
             return int((self.weights_dir / LATEST).read_text().strip())
         except FileNotFoundError:
             return None
+
+    async def _read_latest(self, io: Any) -> tuple[int | None, Any]:
+        latest = await asyncio.to_thread(self._latest_now)
+        return latest, latest  # the value is its own token: the swap compares it under the lock
 
     def _cas_latest(self, expected: int | None, new: int) -> bool:
         """Set LATEST to `new` only if it still reads `expected`; the flock serializes writers across processes."""
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         with (self.weights_dir / f"{LATEST}.lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if self._read_latest() != expected:
+            if self._latest_now() != expected:
                 return False
             write_atomic(self.weights_dir / LATEST, f"{new}\n".encode())
             return True
 
-    async def latest(self) -> int | None:
-        return await asyncio.to_thread(self._read_latest)
+    async def _swap_latest(self, io: Any, token: Any, new: int) -> bool:
+        return await asyncio.to_thread(self._cas_latest, token, new)
 
-    async def manifest(self, version: int) -> Manifest:
-        return await asyncio.to_thread(self._manifest, version)
+    async def _numbered(self, io: Any, prefix: str, name_prefix: str) -> list[int]:
+        def numbered() -> list[int]:
+            parent = self.job_dir / prefix
+            if not parent.is_dir():
+                return []
+            found = ((parse_number(p.name, name_prefix), p) for p in parent.iterdir())
+            return sorted(n for n, p in found if n is not None and (p / MANIFEST).is_file())
 
-    def _manifest(self, version: int) -> Manifest:
-        path = self.version_dir(version) / MANIFEST
-        try:
-            return msgspec.json.decode(path.read_bytes(), type=Manifest)
-        except FileNotFoundError:
-            raise WeightStoreError(f"version {version} is not published (no {path})") from None
-        except msgspec.DecodeError as exc:
-            raise WeightStoreError(f"version {version}: bad manifest {path}: {exc}") from None
+        return await asyncio.to_thread(numbered)
 
-    async def fetch(self, version: int) -> Path:
-        """The version dir itself, after verification; treat it as read-only."""
-        return await asyncio.to_thread(self._fetch, version)
+    async def _delete(self, io: Any, prefix: str) -> None:
+        def delete() -> None:
+            (self.job_dir / prefix / MANIFEST).unlink()
+            shutil.rmtree(self.job_dir / prefix)
 
-    def _fetch(self, version: int) -> Path:
-        manifest = self._manifest(version)
-        verify_files(self.version_dir(version), manifest.shards, f"version {version}")
-        return self.version_dir(version)
+        await asyncio.to_thread(delete)
 
-    async def versions(self) -> list[int]:
-        return await asyncio.to_thread(self._versions)
-
-    def _versions(self) -> list[int]:
-        if not self.weights_dir.is_dir():
-            return []
-        numbered = ((parse_number(p.name, "v"), p) for p in self.weights_dir.iterdir())
-        return sorted(v for v, p in numbered if v is not None and (p / MANIFEST).is_file())
-
-    async def retain(self, keep_last: int) -> list[int]:
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        return await asyncio.to_thread(self._retain, keep_last)
-
-    def _retain(self, keep_last: int) -> list[int]:
-        deleted = []
-        for version in retention_candidates(self._versions(), keep_last, self._read_latest()):
-            if self._manifest(version).is_checkpoint:
-                continue
-            # Drop the manifest first so a half-deleted version never looks published.
-            (self.version_dir(version) / MANIFEST).unlink()
-            shutil.rmtree(self.version_dir(version))
-            deleted.append(version)
-        return deleted
-
-    async def save_checkpoint(self, step: int, src_dir: Path) -> None:
-        await asyncio.to_thread(self._save_checkpoint, step, Path(src_dir))
-
-    def _save_checkpoint(self, step: int, src_dir: Path) -> None:
-        final = self.checkpoints_dir / step_name(step)
-        if final.exists():
-            raise WeightStoreError(f"checkpoint for step {step} already exists ({final})")
-        tmp = self.checkpoints_dir / f".{final.name}.tmp-{uuid.uuid4().hex}"
-        tmp.mkdir(parents=True)
-        try:
-            manifest = CheckpointManifest(step=step, shards=copy_tree(src_dir, tmp), created_at=time.time())
-            write_atomic(tmp / MANIFEST, encode_manifest(manifest))
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    async def latest_checkpoint(self) -> tuple[int, Path] | None:
-        return await asyncio.to_thread(self._latest_checkpoint)
-
-    def _latest_checkpoint(self) -> tuple[int, Path] | None:
-        if not self.checkpoints_dir.is_dir():
-            return None
-        steps = sorted(
-            (s for p in self.checkpoints_dir.iterdir() if (s := parse_number(p.name, "step")) is not None), reverse=True
-        )
-        for step in steps:
-            path = self.checkpoints_dir / step_name(step)
-            try:
-                manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=CheckpointManifest)
-                verify_files(path, manifest.shards, f"checkpoint step {step}")
-            except (OSError, msgspec.DecodeError, WeightStoreError) as exc:
-                log.warning("skipping checkpoint %s: %s", path, exc)
-                continue
-            return step, path
-        return None
+    async def _materialize(self, io: Any, prefix: str, shards: list[Shard], manifest: bytes, what: str) -> Path:
+        """The stored dir itself, verified in place; treat it as read-only."""
+        path = self.job_dir / prefix
+        await asyncio.to_thread(verify_files, path, shards, what)
+        return path

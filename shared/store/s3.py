@@ -7,12 +7,10 @@ import contextlib
 import hashlib
 import os
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from botocore.exceptions import ClientError
 
 from jetroll.shared.store.base import (
@@ -21,26 +19,21 @@ from jetroll.shared.store.base import (
     LATEST,
     MANIFEST,
     MISSING_CODES,
-    CheckpointManifest,
-    Manifest,
     Shard,
+    WeightStore,
     WeightStoreError,
     check_shard,
-    encode_manifest,
     error_code,
     gather_all,
     log,
     parse_number,
     read_part,
-    retention_candidates,
     source_files,
-    step_name,
     verify_files,
-    version_name,
 )
 
 
-class S3WeightStore:
+class S3WeightStore(WeightStore):
     """The LocalWeightStore layout under `s3://{bucket}/{prefix}/`; fetched versions land in a local cache dir.
 
     Publish uploads the shards (multipart above `multipart_threshold_bytes`, hashing each byte once as it is read),
@@ -78,9 +71,8 @@ class S3WeightStore:
         self.max_concurrency = max_concurrency
         self.num_cached_versions = num_cached_versions
         self._session = session
-        root = "/".join(p for p in (prefix.strip("/"), job_id) if p)
-        self.weights_prefix = f"{root}/weights"
-        self.checkpoints_prefix = f"{root}/checkpoints"
+        self.job_prefix = "/".join(p for p in (prefix.strip("/"), job_id) if p)
+        self.weights_prefix = f"{self.job_prefix}/weights"
         self.cache_dir = Path(cache_root).expanduser().resolve() / job_id / "s3-cache"
 
     def client(self) -> Any:
@@ -101,11 +93,14 @@ class S3WeightStore:
         )
         return self._session.client("s3", endpoint_url=self.endpoint_url, region_name=self.region, config=config)
 
-    def _version_key(self, version: int) -> str:
-        return f"{self.weights_prefix}/{version_name(version)}"
+    def _key(self, key: str) -> str:
+        return f"{self.job_prefix}/{key}"
 
-    def uri(self, version: int) -> str:
-        return f"s3://{self.bucket}/{self._version_key(version)}/{MANIFEST}"
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    def _connect(self) -> Any:
+        return self.client()
 
     async def _get_bytes(self, s3: Any, key: str) -> tuple[bytes, str] | None:
         """(body, ETag) of `key`, or None when it does not exist."""
@@ -137,15 +132,6 @@ class S3WeightStore:
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix)
             for obj in page.get("Contents", [])
         ]
-
-    async def _numbered_manifests(self, s3: Any, prefix: str, name_prefix: str) -> list[int]:
-        """N of every `{prefix}/{name_prefix}{N}/manifest.json`, ascending: the published versions or checkpoints."""
-        numbers = []
-        for key in await self._keys(s3, f"{prefix}/{name_prefix}"):
-            parts = key.removeprefix(f"{prefix}/").split("/")
-            if len(parts) == 2 and parts[1] == MANIFEST and (n := parse_number(parts[0], name_prefix)) is not None:
-                numbers.append(n)
-        return sorted(numbers)
 
     async def _upload_tree(self, s3: Any, src_dir: Path, prefix: str) -> list[Shard]:
         files = source_files(src_dir)
@@ -228,7 +214,7 @@ class S3WeightStore:
                         size_bytes += len(chunk)
         check_shard(shard, size_bytes, digest.hexdigest(), what)
 
-    async def _materialize(
+    async def _download_verified(
         self, s3: Any, prefix: str, shards: list[Shard], manifest_bytes: bytes, final: Path, what: str
     ) -> Path:
         """`final` holding every shard verified: a cached copy is re-verified, never trusted; else download it."""
@@ -243,7 +229,8 @@ class S3WeightStore:
         tmp.mkdir(parents=True)
         try:
             slots = asyncio.Semaphore(self.max_concurrency)
-            await gather_all(self._download(s3, f"{prefix}/{s.key}", tmp / s.key, s, what, slots) for s in shards)
+            await gather_all(self._download(s3, self._key(f"{prefix}/{s.key}"), tmp / s.key, s, what, slots)
+                             for s in shards)
             (tmp / MANIFEST).write_bytes(manifest_bytes)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -266,140 +253,61 @@ class S3WeightStore:
             if path != fetched:
                 shutil.rmtree(path, ignore_errors=True)
 
-    async def publish(
-        self,
-        version: int,
-        step: int,
-        src_dir: Path,
-        *,
-        precision_id: str,
-        dtype: str,
-        parent: int | None,
-        is_checkpoint: bool = False,
-    ) -> Manifest:
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
-        prefix = self._version_key(version)
-        async with self.client() as s3:
-            if await self._get_bytes(s3, f"{prefix}/{MANIFEST}") is not None:
-                raise WeightStoreError(f"version {version} is already published ({self.uri(version)})")
-            manifest = Manifest(
-                version=version,
-                step=step,
-                shards=await self._upload_tree(s3, Path(src_dir), prefix),
-                precision_id=precision_id,
-                dtype=dtype,
-                parent=parent,
-                created_at=time.time(),
-                is_checkpoint=is_checkpoint,
-            )
-            if not await self._put_create_only(s3, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
-                raise WeightStoreError(f"version {version} was published concurrently ({self.uri(version)})")
-            while True:
-                expected, etag = await self._read_latest(s3)
-                if expected is not None and expected >= version:
-                    break
-                if await self._cas_latest(s3, etag, version):
-                    break
-        return manifest
+    # --- the store's primitives ---
 
-    async def _read_latest(self, s3: Any) -> tuple[int | None, str | None]:
-        """(LATEST, its ETag), or (None, None) before the first publish."""
-        found = await self._get_bytes(s3, f"{self.weights_prefix}/{LATEST}")
+    async def _read(self, s3: Any, key: str) -> bytes | None:
+        found = await self._get_bytes(s3, self._key(key))
+        return found[0] if found else None
+
+    async def _put_tree(self, s3: Any, src_dir: Path, prefix: str) -> list[Shard]:
+        return await self._upload_tree(s3, src_dir, self._key(prefix))  # a dead writer's objects are overwritten
+
+    async def _put_create_only(self, s3: Any, key: str, data: bytes) -> bool:
+        """Put `key` only if absent (`IfNoneMatch`); a retried put of ours, finding its own bytes, counts as won."""
+        try:
+            await s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+            return True
+        except ClientError as exc:
+            if error_code(exc) not in CONFLICT_CODES:
+                raise
+        return await self._read(s3, key) == data
+
+    async def _read_latest(self, s3: Any) -> tuple[int | None, Any]:
+        """LATEST and its ETag, or (None, None) before the first publish."""
+        found = await self._get_bytes(s3, self._key(f"weights/{LATEST}"))
         return (int(found[0].decode().strip()), found[1]) if found else (None, None)
 
-    async def _cas_latest(self, s3: Any, expected_etag: str | None, new: int) -> bool:
-        """Set LATEST to `new` only if its ETag is still `expected_etag` (None: only if LATEST does not exist)."""
-        condition = {"IfMatch": expected_etag} if expected_etag else {"IfNoneMatch": "*"}
+    async def _swap_latest(self, s3: Any, etag: Any, new: int) -> bool:
+        """Set LATEST only if its ETag is still `etag` (`IfMatch`; None: only if LATEST does not exist)."""
+        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
         try:
-            await s3.put_object(
-                Bucket=self.bucket, Key=f"{self.weights_prefix}/{LATEST}", Body=f"{new}\n".encode(), **condition
-            )
+            await s3.put_object(Bucket=self.bucket, Key=self._key(f"weights/{LATEST}"), Body=f"{new}\n".encode(),
+                                **condition)
             return True
         except ClientError as exc:
             if error_code(exc) in CONFLICT_CODES:
                 return False
             raise
 
-    async def latest(self) -> int | None:
-        async with self.client() as s3:
-            return (await self._read_latest(s3))[0]
+    async def _numbered(self, s3: Any, prefix: str, name_prefix: str) -> list[int]:
+        numbers = []
+        for key in await self._keys(s3, self._key(f"{prefix}/{name_prefix}")):
+            parts = key.removeprefix(self._key(f"{prefix}/")).split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST and (n := parse_number(parts[0], name_prefix)) is not None:
+                numbers.append(n)
+        return sorted(numbers)
 
-    async def _manifest(self, s3: Any, version: int) -> tuple[Manifest, bytes]:
-        found = await self._get_bytes(s3, f"{self._version_key(version)}/{MANIFEST}")
-        if found is None:
-            raise WeightStoreError(f"version {version} is not published (no {self.uri(version)})")
-        try:
-            return msgspec.json.decode(found[0], type=Manifest), found[0]
-        except msgspec.DecodeError as exc:
-            raise WeightStoreError(f"version {version}: bad manifest {self.uri(version)}: {exc}") from None
+    async def _delete(self, s3: Any, prefix: str) -> None:
+        await s3.delete_object(Bucket=self.bucket, Key=self._key(f"{prefix}/{MANIFEST}"))
+        keys = await self._keys(s3, self._key(f"{prefix}/"))
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            await s3.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": k} for k in keys[start:start + 1000]], "Quiet": True})
 
-    async def manifest(self, version: int) -> Manifest:
-        async with self.client() as s3:
-            return (await self._manifest(s3, version))[0]
-
-    async def fetch(self, version: int) -> Path:
-        """The version's files in the local cache, every sha256 verified; WeightStoreError otherwise."""
-        async with self.client() as s3:
-            manifest, raw = await self._manifest(s3, version)
-            final = self.cache_dir / "weights" / version_name(version)
-            path = await self._materialize(
-                s3, self._version_key(version), manifest.shards, raw, final, f"version {version}"
-            )
-        self._prune_cache(final, "v", self.num_cached_versions)
+    async def _materialize(self, s3: Any, prefix: str, shards: list[Shard], manifest: bytes, what: str) -> Path:
+        """A verified copy in the local cache; the cache keeps the newest few versions and one checkpoint."""
+        final = self.cache_dir / prefix
+        path = await self._download_verified(s3, prefix, shards, manifest, final, what)
+        name_prefix, num_kept = ("v", self.num_cached_versions) if prefix.startswith("weights/") else ("step", 1)
+        self._prune_cache(final, name_prefix, num_kept)
         return path
-
-    async def versions(self) -> list[int]:
-        async with self.client() as s3:
-            return await self._numbered_manifests(s3, self.weights_prefix, "v")
-
-    async def retain(self, keep_last: int) -> list[int]:
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        deleted = []
-        async with self.client() as s3:
-            versions = await self._numbered_manifests(s3, self.weights_prefix, "v")
-            for version in retention_candidates(versions, keep_last, (await self._read_latest(s3))[0]):
-                if (await self._manifest(s3, version))[0].is_checkpoint:
-                    continue
-                prefix = self._version_key(version)
-                # Drop the manifest first so a half-deleted version never looks published.
-                await s3.delete_object(Bucket=self.bucket, Key=f"{prefix}/{MANIFEST}")
-                keys = await self._keys(s3, f"{prefix}/")
-                for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-                    await s3.delete_objects(
-                        Bucket=self.bucket,
-                        Delete={"Objects": [{"Key": k} for k in keys[start : start + 1000]], "Quiet": True},
-                    )
-                deleted.append(version)
-        return deleted
-
-    async def save_checkpoint(self, step: int, src_dir: Path) -> None:
-        """Upload the files, then the manifest create-only: a checkpoint without its manifest does not exist."""
-        prefix = f"{self.checkpoints_prefix}/{step_name(step)}"
-        uri = f"s3://{self.bucket}/{prefix}/{MANIFEST}"
-        async with self.client() as s3:
-            if await self._get_bytes(s3, f"{prefix}/{MANIFEST}") is not None:
-                raise WeightStoreError(f"checkpoint for step {step} already exists ({uri})")
-            shards = await self._upload_tree(s3, Path(src_dir), prefix)
-            manifest = CheckpointManifest(step=step, shards=shards, created_at=time.time())
-            if not await self._put_create_only(s3, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
-                raise WeightStoreError(f"checkpoint for step {step} was saved concurrently ({uri})")
-
-    async def latest_checkpoint(self) -> tuple[int, Path] | None:
-        async with self.client() as s3:
-            for step in reversed(await self._numbered_manifests(s3, self.checkpoints_prefix, "step")):
-                prefix = f"{self.checkpoints_prefix}/{step_name(step)}"
-                final = self.cache_dir / "checkpoints" / step_name(step)
-                try:
-                    found = await self._get_bytes(s3, f"{prefix}/{MANIFEST}")
-                    if found is None:
-                        raise WeightStoreError("its manifest vanished")
-                    manifest = msgspec.json.decode(found[0], type=CheckpointManifest)
-                    await self._materialize(s3, prefix, manifest.shards, found[0], final, f"checkpoint step {step}")
-                except (OSError, msgspec.DecodeError, WeightStoreError) as exc:
-                    log.warning("skipping checkpoint s3://%s/%s: %s", self.bucket, prefix, exc)
-                    continue
-                self._prune_cache(final, "step", 1)
-                return step, final
-        return None

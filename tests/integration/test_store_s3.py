@@ -137,7 +137,7 @@ def test_concurrent_publishers_exactly_one_wins_latest(s3_url: str, bucket: str,
         async with stores[1].client() as c1, stores[2].client() as c2:
             return list(
                 await asyncio.gather(
-                    stores[1]._cas_latest(c1, etag, new_versions[0]), stores[2]._cas_latest(c2, etag, new_versions[1])
+                    stores[1]._swap_latest(c1, etag, new_versions[0]), stores[2]._swap_latest(c2, etag, new_versions[1])
                 )
             )
 
