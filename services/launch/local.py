@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from jetroll.services.launch.procs import Lives, stop_processes
+from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.services.reward.celery_worker import start_worker_process
 from jetroll.shared.config.job import JobConfig, validate_config
@@ -25,7 +25,6 @@ class Service:
     kind: str  # controller | rollout | reward | trainer | celery (a reward worker)
     pool: str | None = None  # rollout: the pool it serves
     process: subprocess.Popen | None = None
-    is_done: bool = False
     log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -52,10 +51,9 @@ class Launcher:
         if needs_celery_worker(config.reward, [task.name for task in config.tasks]):
             self.services.insert(0, service("celery-worker", "celery"))
 
-    def start(self, service: Service) -> None:
+    def start(self, service: Service, consumer: str) -> None:
         if service.log is None:
             service.log = (self.run_dir / "logs" / f"{service.name}.log").open("ab")
-        consumer = service.lives.consumer
         if service.kind == "celery":
             reward = self.config.reward
             node = f"jetroll-{self.config.job_id}-{consumer}@localhost"
@@ -73,29 +71,43 @@ class Launcher:
 
     def supervise(self) -> int:
         """Run until the controller finishes (0) or a service dies more than max_restarts times (1)."""
-        for service in self.services:
-            self.start(service)
-        while True:
-            time.sleep(POLL_S)
-            for service in self.services:
-                code = service.process.poll() if service.process and not service.is_done else None
-                if code is None:
-                    continue
-                if code == 0 and service.kind in ("controller", "trainer"):
-                    service.is_done = True
-                    if service.kind == "controller":
-                        return 0
-                    continue
-                lives = service.lives
-                if not lives.died():
-                    print(f"jetroll: service {service.name} died (exit {code}) after {lives.num_restarts} "
-                          f"restarts; see {self.run_dir / 'logs' / (service.name + '.log')}", file=sys.stderr)
-                    return 1
-                if service.kind == "celery":  # its pool children outlive the main process
-                    stop_processes([service.process], groups=True)
+        return asyncio.run(self._supervise_all())
+
+    async def _supervise_all(self) -> int:
+        tasks = {asyncio.create_task(self._supervise(service)): service for service in self.services}
+        try:
+            while True:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    service, code = tasks.pop(task), task.result()
+                    if service.kind == "controller" or code != 0:
+                        return 0 if service.kind == "controller" and code == 0 else 1
+        finally:  # the processes themselves are stopped by `stop`, in order
+            for task in tasks:
+                task.cancel()
+
+    async def _supervise(self, service: Service) -> int | None:
+        def on_death(consumer: str, code: int, is_restarted: bool) -> None:
+            lives = service.lives
+            if is_restarted:
                 print(f"jetroll: service {service.name} died (exit {code}); restart "
                       f"{lives.num_restarts}/{lives.max_restarts}", file=sys.stderr)
-                self.start(service)
+            else:
+                print(f"jetroll: service {service.name} died (exit {code}) after {lives.num_restarts} "
+                      f"restarts; see {self.run_dir / 'logs' / (service.name + '.log')}", file=sys.stderr)
+
+        # the controller and the trainer end by finishing their job; the other services serve until stopped
+        return await supervise(service.lives, lambda consumer: self._life(service, consumer), on_death,
+                               may_finish=service.kind in ("controller", "trainer"))
+
+    async def _life(self, service: Service, consumer: str) -> int:
+        self.start(service, consumer)
+        assert service.process is not None
+        while (code := service.process.poll()) is None:
+            await asyncio.sleep(POLL_S)
+        if service.kind == "celery":  # its pool children outlive the main process
+            stop_processes([service.process], groups=True)
+        return code
 
     def stop(self) -> None:
         started = [s for s in self.services if s.process is not None]

@@ -1,4 +1,4 @@
-"""Stopping and restarting service processes, written once for every launcher (local, Ray, watch mode)."""
+"""Supervising, stopping and restarting services, written once for every launcher (local, Ray, watch mode)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 STOP_TIMEOUT_S = 10.0
@@ -68,3 +68,20 @@ class Lives:
             return False
         self.num_restarts += 1
         return True
+
+
+async def supervise(lives: Lives, run_life: Callable[[str], Awaitable[int | None]],
+                    on_death: Callable[[str, int, bool], None], *, may_finish: bool = True) -> int | None:
+    """The one restart loop: run lives of a service, each under its own consumer name, until one ends cleanly (0, or
+    None: its job ended first) or a death finds no restart left; returns that life's code. `on_death(consumer, code,
+    is_restarted)` reports each death. A service that serves until stopped (`may_finish` False) dies by exiting,
+    even with 0."""
+    while True:
+        consumer = lives.consumer
+        code = await run_life(consumer)
+        if code is None or (code == 0 and may_finish):
+            return code
+        is_restarted = lives.died()
+        on_death(consumer, code, is_restarted)
+        if not is_restarted:
+            return code

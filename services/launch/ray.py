@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.launch.procs import Lives, stop_processes
+from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import RedisBus, RedisUnreachable, server_version
@@ -225,17 +225,25 @@ class RayJob:
         from jetroll.services.launch.entrypoints import service_main
 
         lives = Lives("controller", self.config.launch.max_restarts)
-        while True:
+        errors: list[Exception] = []
+
+        async def life(consumer: str) -> int:
             try:
-                await service_main("controller", self.config, self.redis_url, lives.consumer, self.run_dir)
+                await service_main("controller", self.config, self.redis_url, consumer, self.run_dir)
                 return 0
             except Exception as exc:
-                log.exception("%s failed", lives.consumer)
-                is_restarted = lives.died()
-                what = f"restart {lives.num_restarts}/{lives.max_restarts}" if is_restarted else "giving up"
-                print(f"jetroll: controller failed ({type(exc).__name__}: {exc}); {what}", file=sys.stderr)
-                if not is_restarted:
-                    return 1
+                log.exception("%s failed", consumer)
+                errors.append(exc)
+                return 1
+
+        def on_death(consumer: str, code: int, is_restarted: bool) -> None:
+            exc = errors[-1]
+            what = f"restart {lives.num_restarts}/{lives.max_restarts}" if is_restarted else "giving up"
+            print(f"jetroll: controller failed ({type(exc).__name__}: {exc}); {what}", file=sys.stderr)
+
+        code = await supervise(lives, life, on_death)
+        assert code is not None  # a life here always ends with a code
+        return code
 
     def stop(self) -> None:
         import ray

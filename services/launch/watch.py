@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from jetroll.services.launch.jobs import FINAL_STATUSES, SUMMARY_FIELDS, check_job_id
-from jetroll.services.launch.procs import Lives, stop_process
+from jetroll.services.launch.procs import Lives, stop_process, supervise
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import FIELD
@@ -92,15 +92,14 @@ async def serve_job(name: str, consumer: str, config: JobConfig, config_path: Pa
     launcher does (each restart a new consumer, which reclaims the dead one's entries). Returns 0 when it finished,
     None when the job ended first, else the last exit code."""
     lives = Lives(consumer, config.launch.max_restarts)
-    while True:
-        code = await run_while_running(argv(name, config_path, run_dir, lives.consumer), board, config.job_id,
-                                       poll_s=poll_s, stop_timeout_s=stop_timeout_s)
-        if code is None or code == 0:
-            return code
-        log.error("%s exited with %d in job %s (restart %d/%d)", lives.consumer, code, config.job_id,
-                  lives.num_restarts, lives.max_restarts)
-        if not lives.died():
-            return code
+
+    def on_death(dead: str, code: int, is_restarted: bool) -> None:
+        what = f"restart {lives.num_restarts}/{lives.max_restarts}" if is_restarted else "no restart left"
+        log.error("%s exited with %d in job %s (%s)", dead, code, config.job_id, what)
+
+    return await supervise(lives, lambda life: run_while_running(argv(name, config_path, run_dir, life), board,
+                                                                 config.job_id, poll_s=poll_s,
+                                                                 stop_timeout_s=stop_timeout_s), on_death)
 
 
 async def watch_jobs(redis_url: str, runs_dir: Path, consumer: str = JOBS.group, argv: ServiceArgv | None = None,
