@@ -181,7 +181,7 @@ def measure(scale: Scale, setting: Setting, timing: TimingEngineConfig, duration
         "trainer_idle_frac": sum(r["trainer_wait_s"] for r in window) / window_s,
         "stale_wait_s": sum(r["stale_wait_s"] for r in window),
         "stale_masked_tokens": sum(r["stale_masked_tokens"] for r in window),
-        "groups_dropped": sum(o["status"] != "trained" for o in ledger.values()),
+        "groups_dropped": sum(o.status != "trained" for o in ledger.values()),
         "measured_steps": len(window),
         "window_s": window_s,
         "wall_s": time.perf_counter() - started,
@@ -190,8 +190,8 @@ def measure(scale: Scale, setting: Setting, timing: TimingEngineConfig, duration
         # the ideal of the draws this run got: each step waits for its longest trajectory, then trains
         steps: dict[int, float] = {}
         for group, outcome in trained.items():
-            longest = max(durations(f"{group}:{sample}")[0] for sample in range(outcome["num_samples"]))
-            steps[outcome["step"]] = max(steps.get(outcome["step"], 0.0), longest)
+            longest = max(durations(f"{group}:{sample}")[0] for sample in range(outcome.num_samples))
+            steps[outcome.step] = max(steps.get(outcome.step, 0.0), longest)
         row["realized_ideal_trajectories_per_s"] = num_trajectories / sum(m + setting.train_s for m in steps.values())
     log.info("%s: %.0f trajectories/s (event model %.0f), lag mean %.2f max %d, %.0f s", setting.name,
              row["trajectories_per_s"], row["model_trajectories_per_s"], row["lag"]["mean"], row["lag"]["max"],
