@@ -1,7 +1,7 @@
 """The trainer's forward passes over one batch: which rows need a gradient, packing, and the exact backend's pi_prox.
 
 `policy_pass` gives the step what the algorithm needs, whatever the backend: the log-probs of the gradient rows (with
-grad), and pi_prox with its token entropy for every row.
+grad) and their token entropy (with grad, for the entropy bonus), and pi_prox with its token entropy for every row.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class PolicyPass:
     rows: torch.Tensor  # indices of the gradient rows
     width: int  # their columns up to the last policy token
     logp: torch.Tensor | None  # [rows, width] with grad; None when no row has a gradient
+    row_entropy: torch.Tensor | None  # [rows, width] their token entropy, with grad
     prox_logp: torch.Tensor  # [B, T] pi_prox: the weights at the start of the step
     entropy: torch.Tensor  # [B, T] its token entropy
 
@@ -76,14 +77,15 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
             entropy[idle, :width] = token_entropy(logits, batch.temperature[idle])
     rows = with_grad.nonzero().squeeze(-1)
     if not len(rows):
-        return PolicyPass(rows, 0, None, prox_logp, entropy)
+        return PolicyPass(rows, 0, None, None, prox_logp, entropy)
     width = policy_width(batch.loss_mask[rows])
     logits = group_logits(model, batch, rows, width, pad_id)
     logp = token_logprobs(logits, batch.targets[rows, :width], batch.temperature[rows])
+    row_entropy = token_entropy(logits, batch.temperature[rows])
     if not is_exact:
         prox_logp[rows, :width] = logp.detach()
-        entropy[rows, :width] = token_entropy(logits, batch.temperature[rows])
-    return PolicyPass(rows, width, logp, prox_logp, entropy)
+        entropy[rows, :width] = row_entropy.detach()
+    return PolicyPass(rows, width, logp, row_entropy, prox_logp, entropy)
 
 
 def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int,

@@ -207,7 +207,8 @@ class Trainer:
             loss, loss_stats = ppo_loss(
                 policy.logp, policy.prox_logp[rows, :width], batch.behavior_logp[rows, :width], advantages[rows],
                 loss_mask[rows, :width], cfg, denominator=self._loss_denominator(batch, loss_mask),
-                ref_logp=self._reference_logp(batch, rows, width), correction=self.config.precision)
+                ref_logp=self._reference_logp(batch, rows, width), correction=self.config.precision,
+                entropy=policy.row_entropy)
             stats |= loss_stats | self._optimizer_step(loss, stats["lr"])
         return stats | self._batch_stats(batch, policy)
 

@@ -35,6 +35,9 @@ class TrainerConfig(Strict):
         "r - mean, the loss over batch x max_new_tokens (each sample's generation budget: its task's max_new_tokens, "
         "capped by rollout.max_new_tokens)")
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference (base) policy; 0 disables")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: subtracts coef x the token entropy of pi_theta "
+                                "from the loss of the groups with a gradient, so no digit's distribution collapses "
+                                "onto a wrong answer before its reward signal arrives; 0 disables")
     task_quotas: bool = Field(True, description="each task gets its weight share of every step's groups and of the "
                               "admission window; a share a task leaves unused goes to the others' oldest groups")
     checkpoint_every: int = Field(20, ge=1, description="write a resumable checkpoint every K steps")

@@ -82,6 +82,7 @@ def ppo_loss(
     denominator: float | None = None,
     ref_logp: torch.Tensor | None = None,
     correction: PrecisionConfig | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss over token tensors [B, T]; returns (scalar loss, float stats).
 
@@ -89,6 +90,7 @@ def ppo_loss(
     is divided by the number of loss_mask == 1 tokens counted before band masking, or by `denominator` when given:
     Dr.GRPO's constant (batch x max_new_tokens), or the token count of a batch some rows of which were left out.
     `correction` picks the behaviour correction (`behavior_correction`); None is the default `PrecisionConfig`'s.
+    `entropy` [B, T], pi_theta's token entropy with grad, adds the bonus -cfg.entropy_coef x entropy per token.
     """
     correction = correction if correction is not None else PrecisionConfig()
     mask = loss_mask.float()
@@ -118,6 +120,8 @@ def ppo_loss(
     if cfg.kl_coef > 0 and ref_logp is not None:
         kl_ref = k3(ref_logp.detach() - logp)  # k3 estimate of KL(pi_theta || pi_ref)
         token_loss = token_loss + cfg.kl_coef * kl_ref
+    if cfg.entropy_coef > 0 and entropy is not None:
+        token_loss = token_loss - cfg.entropy_coef * entropy
     loss = torch.where(keep > 0, token_loss, 0.0).sum() / denom  # where, not *: padding may hold inf
 
     # Stats, all over loss_mask tokens (the band statistics are what band masking removed).
@@ -171,6 +175,8 @@ def token_logprobs(
 
 
 def token_entropy(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
-    """Entropy in nats of softmax(logits / T) at each position, in fp32, without grad: [B, T, V] -> [B, T]."""
-    with torch.no_grad():
-        return torch.special.entr(torch.softmax(_scaled(logits, temperature), dim=-1)).sum(-1)  # -p log p, 0 at p = 0
+    """Entropy in nats of softmax(logits / T) at each position, in fp32: [B, T, V] -> [B, T]. Differentiable
+    (the entropy bonus); callers that only report it run it under no_grad."""
+    logprobs = torch.log_softmax(_scaled(logits, temperature), dim=-1)
+    finite = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)  # p = 0 adds 0, and a zero grad rather than nan
+    return -(finite.exp() * finite).sum(-1)

@@ -257,7 +257,16 @@ def test_token_entropy_of_known_distributions() -> None:
     assert token_entropy(torch.zeros(1, 1, 7), 0.7).item() == pytest.approx(math.log(7.0))
     certain = token_entropy(torch.tensor([[[0.0, -math.inf], [50.0, 0.0]]]), 1.0)
     assert certain[0, 0].item() == 0.0 and 0 <= certain[0, 1].item() < 1e-18
-    assert not token_entropy(_leaf([[1.0, 2.0]]).unsqueeze(0), 1.0).requires_grad
+
+
+def test_token_entropy_gradient_is_analytic_and_finite_at_zero_probability() -> None:
+    """dH/dz_i = -p_i (log p_i + H) (the entropy bonus ascends it); a -inf logit (p = 0) gets 0, not nan."""
+    logits = _leaf([[0.3, -1.2, 2.0, -math.inf]])
+    token_entropy(logits.unsqueeze(0), 1.0).sum().backward()
+    p = torch.softmax(logits.detach(), dim=-1)[0, :3]
+    entropy = -(p * p.log()).sum()
+    torch.testing.assert_close(logits.grad[0, :3], -p * (p.log() + entropy))
+    assert logits.grad[0, 3].item() == 0.0
 
 
 def test_token_logprobs_fp32_from_bf16_logits() -> None:

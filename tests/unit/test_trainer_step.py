@@ -174,3 +174,25 @@ def test_step_reports_the_token_entropy_of_pi_prox(
     expected = float(entropy[batch.loss_mask > 0].mean())
     assert 0 < expected <= math.log(trainer.model.args.vocab_size)
     assert stats["entropy"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["fast", "exact"])
+def test_entropy_bonus_raises_the_entropy_the_step_leaves(
+    backend: str, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """`trainer.entropy_coef`: one real step from the same weights on the same batch, with and without the bonus.
+    The updates differ, and the policy after the bonus's step has the higher token entropy on the batch."""
+    events = events_with_ratios(make_trainer(model_dir, tmp_path / "probe", redis_url))
+    entropy_after, updated = {}, {}
+    for coef in (0.0, 1.0):
+        trainer = make_trainer(model_dir, tmp_path / f"coef{coef}", redis_url,
+                               trainer={"entropy_coef": coef}, precision={"backend": backend})
+        before = flat_parameters(trainer)
+        groups = groups_of(events)
+        trainer._step(groups)
+        updated[coef] = flat_parameters(trainer) - before
+        batch = collate(groups, trainer.tokenizer.pad_id)
+        _, entropy = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+        entropy_after[coef] = float(entropy[batch.loss_mask > 0].mean())
+    assert float((updated[1.0] - updated[0.0]).norm() / updated[0.0].norm()) > 0.05
+    assert entropy_after[1.0] > entropy_after[0.0]
