@@ -16,10 +16,11 @@ from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
+from jetroll.shared.protocol.events import AnyEvent, Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, group_id
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, TRAJ_SCORED, WEIGHTS, Stream, groups_stream
+from jetroll.shared.protocol.validate import EventLimits, check_metrics, check_weights, expecting
 from jetroll.shared.rl.admission import Admission, in_flight_caps
 from jetroll.shared.seeds import derive_seed
 from jetroll.shared.store.base import WeightStore, WeightStoreError
@@ -47,6 +48,8 @@ class Controller:
         self.task_of_group: dict[str, str] = {}  # admitted groups, for the per-task in-flight caps
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
+        self.limits = EventLimits.of(config, self.tokenizer.vocab_size)
+        self.is_metric = expecting(MetricsEvent, lambda event: check_metrics(event, self.limits))
         self.book = MetricsBook(run_dir)
         self.ledger = Ledger(bus)
         self.in_flight = InFlightIndex(bus)
@@ -68,11 +71,12 @@ class Controller:
                 await self._admit()
                 # a step whose metrics are in is about to publish its weights: wait on those, not on more metrics
                 is_publishing = bool(self.book.rows) and self.book.rows[-1]["step"] > self.version
-                weights_id, events = await self.bus.tail(WEIGHTS, weights_id, block_ms=1000 if is_publishing else 0)
+                weights_id, events = await self.bus.tail(WEIGHTS, weights_id, block_ms=1000 if is_publishing else 0,
+                                                         check=self._check_weights)
                 published = [e.version for e in events if isinstance(e, WeightsPublishedEvent)]
                 # new weights: admit at once, without waiting for more metrics
                 metrics_id, events = await self.bus.tail(METRICS, metrics_id, block_ms=0 if published else 100,
-                                                         count=1000)
+                                                         count=1000, check=self.is_metric)
                 for event in events:
                     if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
                         view.stream_lags = await self._stream_lags()
@@ -100,6 +104,23 @@ class Controller:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         return summary
+
+    async def _check_weights(self, event: AnyEvent) -> str | None:
+        """An announcement the controller may act on: of this job's store, and naming the shards the store holds
+        for that version. A version past LATEST that the store lacks was never published; one at or below it may
+        have been retained away since, and only moves nothing forward."""
+        if not isinstance(event, WeightsPublishedEvent):
+            return f"expected a WeightsPublishedEvent, got a {type(event).__name__}"
+        if reason := check_weights(event, self.limits, self.store.uri(event.version)):
+            return reason
+        try:
+            manifest = await self.store.manifest(event.version)
+        except WeightStoreError as exc:
+            latest = await self.store.latest()
+            return None if latest is not None and event.version <= latest else f"{exc} (LATEST is v{latest})"
+        if {shard.key: shard.sha256 for shard in manifest.shards} != event.shard_sha256:
+            return f"its shards are not those the store holds for version {event.version}"
+        return None
 
     async def _restore_admitted(self) -> None:
         """A restarted controller goes on counting (and drawing) from what earlier lives admitted."""

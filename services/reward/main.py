@@ -11,6 +11,7 @@ from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.validate import EventLimits
 
 
 async def run(config: JobConfig, redis_url: str, model_dir: str, consumer: str) -> None:
@@ -37,6 +38,7 @@ async def run(config: JobConfig, redis_url: str, model_dir: str, consumer: str) 
             bus,
             backends,
             detokenize,
+            limits=EventLimits.of(config, tokenizer.vocab_size),
             consumer=consumer,
             default_backend=reward.backend,
             task_backends=reward.task_backends,

@@ -13,9 +13,10 @@ import numpy as np
 
 from jetroll.services.reward.backends.base import RewardBackend, RewardCall
 from jetroll.shared.protocol.bus import Delivery, RedisBus
-from jetroll.shared.protocol.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent, encode
+from jetroll.shared.protocol.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import METRICS, SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
+from jetroll.shared.protocol.validate import EventLimits, check_trajectory, expecting
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class RewardRouter:
         backends: Mapping[str, RewardBackend],
         detokenize: Callable[[np.ndarray], str],
         *,
+        limits: EventLimits,
         consumer: str,
         default_backend: str = "local",
         task_backends: Mapping[str, str] | None = None,
@@ -61,6 +63,7 @@ class RewardRouter:
         self.bus = bus
         self.backends = dict(backends)
         self.detokenize = detokenize
+        self.is_trajectory = expecting(TrajectoryEvent, lambda event: check_trajectory(event, limits))
         self.consumer = consumer
         self.default_backend = default_backend
         self.task_backends = dict(task_backends or {})
@@ -97,7 +100,7 @@ class RewardRouter:
                 if free >= READ_AHEAD // 2:
                     block_ms = 50 if in_flight else self.block_ms
                     for delivery in await self.bus.consume(
-                        RAW_STREAM, GROUP, self.consumer, count=free, block_ms=block_ms
+                        RAW_STREAM, GROUP, self.consumer, count=free, block_ms=block_ms, check=self.is_trajectory
                     ):
                         if delivery.entry_id in self._in_flight_ids:
                             continue  # reclaimed while we still work on it; that task acks it
@@ -125,10 +128,8 @@ class RewardRouter:
         """Dedupe, score, publish, then ack one raw entry."""
         try:
             event = delivery.event
-            if not isinstance(event, TrajectoryEvent):
-                reason = f"expected a traj event on {RAW_STREAM}, got {type(event).__name__}"
-                await self.bus.dead_letter(RAW_STREAM, delivery.entry_id, encode(event), reason)
-            elif await self.bus.claim_first(SEEN_REWARD, event.traj_id, delivery.entry_id):
+            assert isinstance(event, TrajectoryEvent)  # `is_trajectory` dead-lettered anything else
+            if await self.bus.claim_first(SEEN_REWARD, event.traj_id, delivery.entry_id):
                 scored = await self.score(event)
                 await self.bus.publish(TRAJ_SCORED.name, scored)
             else:

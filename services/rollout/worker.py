@@ -27,6 +27,7 @@ from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, groups_stream
+from jetroll.shared.protocol.validate import EventLimits, check_group, expecting
 from jetroll.shared.store.base import WeightStore, WeightStoreError
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import is_multi_turn
@@ -55,6 +56,7 @@ class RolloutWorker:
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine: Engine | TimingEngine | None = None
+        self.limits: EventLimits | None = None  # set with the engine: token ids must fit its embedding
         self.tokenizer: Tokenizer | None = None
         self.turns: TurnRunner | None = None  # multi-turn environments (the real engine only)
         self.env_failures: Counter[str] = Counter()  # env_status -> trajectories that ended with it
@@ -90,10 +92,12 @@ class RolloutWorker:
         max_batch = self.pool.max_batch or rollout.max_batch
         if rollout.engine == "timing":
             tokenizer = load_tokenizer(directory)
+            self.limits = EventLimits.of(self.config, tokenizer.vocab_size)
             return TimingEngine(self.pool.timing or rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, max_batch,
                                 rollout.max_seq_len)
         model, tokenizer = load_pretrained(directory, self.config.precision.numerics())
         self.tokenizer = tokenizer
+        self.limits = EventLimits.of(self.config, model.args.vocab_size)
         return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,
                       seed=self.config.seed, compile=rollout.compile)
 
@@ -133,7 +137,9 @@ class RolloutWorker:
 
     async def _loop(self) -> None:
         assert self.engine is not None
-        engine = self.engine
+        engine, limits = self.engine, self.limits
+        assert limits is not None
+        is_group = expecting(GroupEvent, lambda group: check_group(group, limits))
         claims_kept_at = time.monotonic()
         while True:
             if time.monotonic() - claims_kept_at > self.config.redis.claim_idle_ms / 3000:
@@ -149,9 +155,10 @@ class RolloutWorker:
                 num_groups = math.ceil(num_free / self.config.trainer.group_size)
                 deliveries = await self.bus.consume(self.stream.name, self.stream.group, self.consumer,
                                                     count=num_groups,
-                                                    block_ms=0 if engine.has_work or num_env_pending else 200)
+                                                    block_ms=0 if engine.has_work or num_env_pending else 200,
+                                                    check=is_group)
                 for delivery in deliveries:
-                    assert isinstance(delivery.event, GroupEvent)
+                    assert isinstance(delivery.event, GroupEvent)  # `is_group` dead-lettered anything else
                     await self._start(delivery.event, delivery.entry_id)
                 if deliveries:
                     # a group's oldest token is at least this version: the trainer's eta_hard wait goes by it

@@ -23,6 +23,7 @@ from jetroll.shared.protocol.events import MetricsEvent, ScoredEvent, WeightsPub
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import METRICS, TRAJ_SCORED, WEIGHTS
+from jetroll.shared.protocol.validate import EventLimits, check_scored, expecting
 from jetroll.shared.rl.admission import task_quotas
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, TokenBatch, collate
 from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
@@ -60,6 +61,9 @@ class Trainer:
         assert config.model.path, "the launcher resolves model.path before services start"
         self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
         self.model.train()
+        limits = EventLimits.of(config, self.model.args.vocab_size)
+        # tokens come only from published versions: none newer than the trainer's own
+        self.is_scored = expecting(ScoredEvent, lambda event: check_scored(event, limits, self.version))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.trainer.lr,
                                            weight_decay=config.trainer.weight_decay)
         self.reference: CausalLM | None = None
@@ -144,13 +148,14 @@ class Trainer:
             held = [*self.buffer.groups.values(), *self.training.values()]
             await self.bus.keep_claimed(STREAM, GROUP, self.consumer, [i for g in held for i in g.entry_ids])
             self.claims_kept_at = time.monotonic()
-        deliveries = await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500)
+        deliveries = await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500,
+                                            check=self.is_scored)
         if not deliveries:
             return
         done = await self.ledger.recorded({d.event.trajectory.group_id for d in deliveries}) | set(self.training)
         for delivery in deliveries:
             event = delivery.event
-            assert isinstance(event, ScoredEvent)
+            assert isinstance(event, ScoredEvent)  # `is_scored` dead-lettered anything else
             if self._held_entry(event) == delivery.entry_id:
                 continue  # our own held entry handed back by XAUTOCLAIM: it stays pending until trained
             if event.trajectory.group_id in done or not self.buffer.add(delivery.entry_id, event):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ from jetroll.shared.protocol.topology import DLQ, DLQ_KEPT, job_key
 
 FIELD = b"e"  # every entry holds one encoded event under this field
 TRIM_EVERY_S = 1.0  # a consumer trims a stream past every group's acks on at most this often, after an ack
+# a consumer's check of what a decoded event means (shared/protocol/validate.py): the reason it is unusable, or None
+EventCheck = Callable[[AnyEvent], Awaitable[str | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,26 +124,29 @@ class RedisBus:
                 raise
 
     async def consume(
-        self, stream: str, group: str, consumer: str, *, count: int = 16, block_ms: int = 1000
+        self, stream: str, group: str, consumer: str, *, count: int = 16, block_ms: int = 1000,
+        check: EventCheck | None = None,
     ) -> list[Delivery]:
-        """Reclaim idle entries of dead consumers first, then read new ones; bad entries go to the dlq.
+        """Reclaim idle entries of dead consumers first, then read new ones; bad entries go to the dlq, acked: those
+        that do not decode, and those `check` finds a reason against.
 
         `block_ms` <= 0 does not block (unlike Redis, where BLOCK 0 waits forever).
         """
         key = self.key(stream)
-        deliveries = await self._reclaim(stream, group, consumer, count)
+        deliveries = await self._reclaim(stream, group, consumer, count, check)
         if deliveries:
             return deliveries
         block = block_ms if block_ms > 0 else None
         reply = await self.redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=block)
         out = []
         for raw_id, fields in stream_entries(reply):
-            delivery = await self._accept(stream, group, as_str(raw_id), fields, times_delivered=1)
+            delivery = await self._accept(stream, group, as_str(raw_id), fields, times_delivered=1, check=check)
             if delivery is not None:
                 out.append(delivery)
         return out
 
-    async def _reclaim(self, stream: str, group: str, consumer: str, count: int) -> list[Delivery]:
+    async def _reclaim(self, stream: str, group: str, consumer: str, count: int,
+                       check: EventCheck | None) -> list[Delivery]:
         key = self.key(stream)
         reply = await self.redis.xautoclaim(key, group, consumer, self.claim_idle_ms, "0-0", count=count)
         # 7.x drops deleted entries from the PEL and lists their ids apart; 6.2 returns them as nil.
@@ -160,7 +166,7 @@ class RedisBus:
                 await self.dead_letter(stream, entry_id, fields.get(FIELD), "max deliveries exceeded")
                 await self.ack(stream, group, entry_id)
                 continue
-            delivery = await self._accept(stream, group, entry_id, fields, times_delivered=times)
+            delivery = await self._accept(stream, group, entry_id, fields, times_delivered=times, check=check)
             if delivery is not None:
                 out.append(delivery)
         return out
@@ -178,9 +184,11 @@ class RedisBus:
         await self.ack(stream, group, *gone)
 
     async def _accept(
-        self, stream: str, group: str | None, entry_id: str, fields: dict[bytes, bytes], *, times_delivered: int
+        self, stream: str, group: str | None, entry_id: str, fields: dict[bytes, bytes], *, times_delivered: int,
+        check: EventCheck | None = None,
     ) -> Delivery | None:
-        """Decode an entry; on failure dead-letter it (and ack it when read through a group) and return None."""
+        """Decode and check an entry; on failure dead-letter it (and ack it when read through a group) and return
+        None."""
         payload = fields.get(FIELD)
         reason = None
         if payload is None:
@@ -193,6 +201,8 @@ class RedisBus:
             else:
                 if event.job_id != self.job_id:
                     reason = f"job_id {event.job_id!r} does not match the bus job_id {self.job_id!r}"
+                elif check is not None and (problem := await check(event)) is not None:
+                    reason = f"invalid {type(event).__name__}: {problem}"
         if reason is not None:
             await self.dead_letter(stream, entry_id, payload, reason)
             if group is not None:
@@ -278,9 +288,11 @@ class RedisBus:
             await asyncio.sleep(poll_s)
 
     async def tail(
-        self, stream: str, last_id: str = "0-0", *, block_ms: int = 1000, count: int = 100
+        self, stream: str, last_id: str = "0-0", *, block_ms: int = 1000, count: int = 100,
+        check: EventCheck | None = None,
     ) -> tuple[str, list[AnyEvent]]:
-        """XREAD after `last_id` (no group); returns the new last id and the decoded events.
+        """XREAD after `last_id` (no group); returns the new last id and the decoded events that pass `check` (the
+        others go to the dlq).
 
         `block_ms` <= 0 does not block.
         """
@@ -289,7 +301,7 @@ class RedisBus:
         events = []
         for raw_id, fields in stream_entries(reply):
             last_id = as_str(raw_id)
-            delivery = await self._accept(stream, None, last_id, fields, times_delivered=1)
+            delivery = await self._accept(stream, None, last_id, fields, times_delivered=1, check=check)
             if delivery is not None:
                 events.append(delivery.event)
         return last_id, events

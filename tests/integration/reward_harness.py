@@ -18,6 +18,7 @@ from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.topology import TRAJ_RAW, TRAJ_SCORED
+from jetroll.shared.protocol.validate import EventLimits
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import TASKS, register_task
 
@@ -32,6 +33,12 @@ for _path in REWARD_DIRS:
 
 def detokenize(ids: np.ndarray) -> str:
     return "".join(chr(int(i)) for i in ids)
+
+
+def limits_under_test() -> EventLimits:
+    """What the routers under test accept: the tasks registered by now, groups of 2, ids that are code points."""
+    return EventLimits(vocab_rows=0x110000, group_size=2, max_seq_len=1 << 16, max_new_tokens=1 << 16,
+                       max_version=1 << 30, tasks=frozenset(TASKS), pools=frozenset({"default"}))
 
 
 def traj(job_id: str, traj_id: str, task: str, completion: str, answer: str, env_status: str = "ok") -> TrajectoryEvent:
@@ -123,7 +130,8 @@ async def running_router(redis_url: str, job_id: str, backends: Mapping[str, Rew
     """A router on its own task; cancelled and its bus closed on exit."""
     bus = RedisBus(redis_url, job_id, claim_idle_ms=2000)
     kwargs.setdefault("default_backend", next(iter(backends)))
-    router = RewardRouter(bus, backends, detokenize, consumer="r0", block_ms=100, metrics_every_s=0.0, **kwargs)
+    router = RewardRouter(bus, backends, detokenize, limits=limits_under_test(), consumer="r0", block_ms=100,
+                          metrics_every_s=0.0, **kwargs)
     await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
     runner = asyncio.create_task(router.run())
     try:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import uuid
@@ -13,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -23,7 +25,7 @@ from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config
 from jetroll.shared.config.launch import RedisConfig
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import MetricsEvent, encode
+from jetroll.shared.protocol.events import Array, MetricsEvent, decode, encode
 from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, Outcome, group_id
 
 pytestmark = pytest.mark.integration
@@ -231,28 +233,86 @@ def check_summary(job: Job, max_steps: int) -> dict:
     return summary
 
 
-def test_smoke_fp32_with_malformed_events(start_job: Callable[..., Job], redis_url: str) -> None:
+def _mutations(vocab: int) -> dict[str, list[tuple[str, Callable[[Any], Any], str]]]:
+    """Per stream: (what, mutate a real event of that stream, a phrase of the dead letter's reason). Every mutation
+    decodes and is invalid by construction, so no copy of a real event can be trained."""
+    def arr(values: list, dtype: str) -> Array:
+        return Array.of(values, dtype)  # type: ignore[arg-type]
+
+    def traj(e: Any, **fields: Any) -> Any:
+        return msgspec.structs.replace(e, **fields)
+
+    def n(e: Any) -> int:
+        return e.completion_ids.shape[0]
+
+    trajectory = [
+        ("a token id past the embedding", lambda e: traj(e, completion_ids=arr([vocab] * n(e), "<i4")),
+         "completion_ids holds token ids outside"),
+        ("arrays of different lengths", lambda e: traj(e, loss_mask=arr([1] * (n(e) + 1), "<u1")),
+         "loss_mask has shape"),
+        ("a NaN log-prob", lambda e: traj(e, behavior_logprobs=arr([float("nan")] * n(e), "<f4")), "behavior_logprobs"),
+        ("a version from the future", lambda e: traj(e, v_tok=arr([10**6] * n(e), "<i4")), "v_tok spans"),
+        ("a group of a million samples", lambda e: traj(e, group_size=10**6), "group_size 1000000"),
+        ("an empty prompt", lambda e: traj(e, prompt_ids=arr([], "<i4")), "prompt_ids has 0 tokens"),
+    ]
+    return {
+        "groups:default": [
+            ("a token id past the embedding", lambda e: traj(e, prompt_ids=arr([vocab], "<i4")), "token ids outside"),
+            ("an empty prompt", lambda e: traj(e, prompt_ids=arr([], "<i4")), "prompt_ids has 0 tokens"),
+            ("a group of a million samples", lambda e: traj(e, group_size=10**6), "group_size 1000000"),
+            ("a task the job does not run", lambda e: traj(e, task="nope"), "task 'nope'"),
+        ],
+        "traj:raw": trajectory,
+        "traj:scored": [
+            ("a NaN reward", lambda e: traj(e, reward=float("nan")), "reward nan"),
+            ("a reward above 1", lambda e: traj(e, reward=7.0), "reward 7.0"),
+            *[(what, lambda e, m=m: traj(e, trajectory=m(e.trajectory)), reason) for what, m, reason in trajectory],
+        ],
+        "weights": [
+            ("a version past the job", lambda e: traj(e, version=10**6), "version 1000000 is outside"),
+            ("a manifest outside the job's store", lambda e: traj(e, manifest_uri="file:///etc/passwd"),
+             "is not this job's store"),
+            ("weights the store does not hold", lambda e: traj(
+                e, version=3, manifest_uri=e.manifest_uri.replace(f"v{e.version:08d}", "v00000003"),
+                shard_sha256={"x": "0" * 64}), "version 3"),
+        ],
+        "metrics": [("a step past the job", lambda e: traj(e, step=10**6), "step 1000000 is outside")],
+    }
+
+
+def test_bad_events_on_every_stream_are_dead_lettered(start_job: Callable[..., Job], redis_url: str,
+                                                      model_path: str) -> None:
+    """From the first step on, random bytes and mutated real events (each decodes, each invalid) go to every stream
+    of a running job. The job finishes whole, and each one is in the dlq with its reason."""
     job = start_job()
+    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     client = redis.Redis.from_url(redis_url)
-    raw = f"jetroll:{job.job_id}:traj:raw"
+    rng = random.Random(0)
+    injected: dict[str, tuple[str, str]] = {}  # entry id -> (stream, reason phrase)
     try:
-        job.wait_until(lambda: client.exists(raw) and client.xinfo_groups(raw), "the reward consumer group")
-        client.xadd(raw, {b"e": b"\x92not-an-event"})
-        wrong_kind = MetricsEvent(job_id=job.job_id, service="test", name="x", value=1.0, step=0)
-        client.xadd(raw, {b"e": encode(wrong_kind)})
-        client.xadd(raw, {b"e": msgspec.msgpack.encode({"kind": "traj", "job_id": job.job_id, "schema": 99})})
-        assert job.wait() == 0, job.stderr()
-        dlq = client.xrange(f"jetroll:{job.job_id}:dlq")
+        for stream, mutations in _mutations(vocab).items():
+            key = f"jetroll:{job.job_id}:{stream}"
+            first = job.wait_until(lambda k=key: client.xrange(k, count=1), f"a first entry on {stream}")
+            real = decode(first[0][1][b"e"])
+            for _, mutate, reason in mutations:
+                event = mutate(real)
+                injected[client.xadd(key, {b"e": encode(event)}).decode()] = (stream, reason)
+            garbage = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+            injected[client.xadd(key, {b"e": b"\xc1" + garbage}).decode()] = (stream, "undecodable event")
+            wrong_kind = MetricsEvent(job_id=job.job_id, service="test", name="x", value=1.0, step=0)
+            if stream != "metrics":
+                injected[client.xadd(key, {b"e": encode(wrong_kind)}).decode()] = (stream, "got a MetricsEvent")
+        assert job.wait() == 0, job.report()
+        dlq = [{k.decode(): v for k, v in fields.items()} for _, fields in client.xrange(f"jetroll:{job.job_id}:dlq")]
     finally:
         client.close()
-    summary = check_summary(job, max_steps=4)
-    assert summary["mismatch_mean_abs_logprob"] < 1e-3  # one flow in fp32: trainer and rollout agree
-    records = [{k.decode(): v for k, v in fields.items()} for _, fields in dlq]
-    reasons = [r["reason"].decode() for r in records if r["stream"] == b"traj:raw"]
-    assert len(reasons) == 3, records
-    assert sum("undecodable event" in r for r in reasons) == 2, reasons
-    assert any("expected a traj event" in r for r in reasons), reasons
+    check_summary(job, max_steps=4)
     audit_ledger(redis_url, job.job_id, max_steps=4, groups_per_step=4, group_size=4)
+    reasons = {(r["stream"].decode(), r["entry_id"].decode()): r["reason"].decode() for r in dlq}
+    for entry_id, (stream, phrase) in injected.items():
+        assert (stream, entry_id) in reasons, f"{stream} {entry_id} ({phrase}) not dead-lettered: {reasons}"
+        assert phrase in reasons[stream, entry_id], (phrase, reasons[stream, entry_id])
+    assert {key for key in reasons if key[1] not in injected} == set(), "a real event was dead-lettered"
 
 
 def test_smoke_fp8_unified(start_job: Callable[..., Job]) -> None:

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ended, wait_until_async
+from reward_harness import limits_under_test
 
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
 from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent, decode
 from jetroll.shared.protocol.ledger import Ledger, Outcome, group_id
 from jetroll.shared.protocol.topology import SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.tasks.base import Problem
@@ -84,7 +85,8 @@ async def route(
     job_id = job_id or events[0].job_id
     bus = RedisBus(redis_url, job_id)
     pool = RewardPool(num_workers=2, timeout_s=timeout_s, modules=("reward_test_fns",))
-    router = RewardRouter(bus, {"local": LocalBackend(pool)}, detokenize, consumer="r0", max_retries=1, block_ms=100,
+    router = RewardRouter(bus, {"local": LocalBackend(pool)}, detokenize, limits=limits_under_test(), consumer="r0",
+                          max_retries=1, block_ms=100,
                           metrics_every_s=0.0, forget_every_s=0.0)
     try:
         await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
@@ -111,6 +113,14 @@ async def route(
         await bus.close()
 
 
+async def read_dlq(redis_url: str, job_id: str) -> list[dict[str, str | bytes]]:
+    bus = RedisBus(redis_url, job_id)
+    try:
+        return await bus.read_dlq()
+    finally:
+        await bus.close()
+
+
 def test_scores_dedupes_and_acks(redis_url: str) -> None:
     job = uuid.uuid4().hex[:8]
     events = [
@@ -121,10 +131,10 @@ def test_scores_dedupes_and_acks(redis_url: str) -> None:
         traj(job, "g9:0", "no_such_task", "1", "1"),
         traj(job, "g0:0", "arithmetic", "000", "579"),  # a re-emitted duplicate: dropped
     ]
-    scored, pending, counts, metrics, _ = asyncio.run(route(redis_url, events, 5, timeout_s=5.0))
+    scored, pending, counts, metrics, _ = asyncio.run(route(redis_url, events, 4, timeout_s=5.0))
     assert pending == 0
     by_id = {e.trajectory.traj_id: e for e in scored}
-    assert len(scored) == 5 and len(by_id) == 5
+    assert len(scored) == 4 and len(by_id) == 4
     assert all(isinstance(e, ScoredEvent) and e.backend == "local" and e.job_id == job for e in scored)
     ok = by_id["g0:0"]
     assert (ok.status, ok.reward, ok.attempts, ok.details) == ("ok", 1.0, 1, {"correct": True})
@@ -132,8 +142,9 @@ def test_scores_dedupes_and_acks(redis_url: str) -> None:
     assert by_id["g0:1"].reward == pytest.approx(0.5 * 2 / 3) and by_id["g0:1"].details == {"correct": False}
     assert by_id["g1:0"].reward == 0.0 and by_id["g1:0"].status == "ok"
     assert by_id["g2:0"].reward == 1.0
-    bad = by_id["g9:0"]
-    assert bad.status == "error" and bad.reward is None and "unknown task" in bad.details["error"]
+    (dead,) = asyncio.run(read_dlq(redis_url, job))  # a task the job does not run is never scored
+    assert decode(dead["payload"]).traj_id == "g9:0"
+    assert "task 'no_such_task' is not one of the job's tasks" in dead["reason"]
     assert counts["duplicates"] == 1
     assert {m.name for m in metrics} >= {"reward/throughput_per_s", "reward/timeouts", "reward/errors"}
 
