@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--redis-url", default=redis_url, help="the stack's Redis (env JETROLL_REDIS_URL)")
     status.add_argument("--json", action="store_true", help="print JSON: the job's record, or job_id -> record")
 
+    dlq = sub.add_parser("dlq", help="a job's dead letters: counts by stream and kind of reason, and the newest")
+    dlq.add_argument("job_id")
+    dlq.add_argument("--redis-url", default=redis_url, help="the job's Redis (env JETROLL_REDIS_URL)")
+    dlq.add_argument("--list", type=int, default=10, metavar="N", help="also print the newest N records (default 10)")
+    dlq.add_argument("--json", action="store_true", help="print JSON: counts and the newest records")
+
     celery = sub.add_parser("celery-worker", help="a Celery reward worker (reward.backend celery) on the job's Redis")
     _config_args(celery)
     celery.add_argument("--redis-url", default=redis_url, help="the broker unless reward.celery_broker_url is set "
@@ -200,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             return _submit(parser, args)
         if args.command == "status":
             return _status(parser, args)
+        if args.command == "dlq":
+            from jetroll.services.launch.jobs import print_dead_letters
+
+            return print_dead_letters(args.job_id, args.redis_url, args.list, as_json=args.json)
         if args.command == "celery-worker":
             return _celery_worker(parser, args)
         return _serve(parser, args)

@@ -20,7 +20,13 @@ from jetroll.shared.protocol.events import AnyEvent, Array, GroupEvent, MetricsE
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, group_id
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, TRAJ_SCORED, WEIGHTS, Stream, groups_stream
-from jetroll.shared.protocol.validate import EventLimits, check_metrics, check_weights, expecting
+from jetroll.shared.protocol.validate import (
+    EventLimits,
+    check_metrics,
+    check_weights,
+    dead_letter_counts,
+    expecting,
+)
 from jetroll.shared.rl.admission import Admission, in_flight_caps
 from jetroll.shared.seeds import derive_seed
 from jetroll.shared.store.base import WeightStore, WeightStoreError
@@ -100,7 +106,7 @@ class Controller:
         accuracy_after = await self._evaluate(self.version)
         memory = await self._report_memory(self.version)
         summary = self._summary(accuracy_before, accuracy_after, time.time() - started, await self.ledger.totals(),
-                                memory)
+                                memory) | {"dead_letters": dead_letter_counts(await self.bus.read_dlq())}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         return summary

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path, PurePosixPath
@@ -118,3 +119,35 @@ def format_status(records: dict[str, dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
                      .rstrip() for row in rows)
+
+
+def print_dead_letters(job_id: str, redis_url: str | None, num_newest: int, *, as_json: bool) -> int:
+    """`jetroll dlq`: a job's dead letters counted by stream and kind of reason, then the newest `num_newest`."""
+    import asyncio
+
+    from jetroll.shared.protocol.bus import RedisBus
+    from jetroll.shared.protocol.validate import dead_letter_counts
+
+    if not redis_url:
+        print("jetroll: dlq needs --redis-url (or JETROLL_REDIS_URL)", file=sys.stderr)
+        return 2
+
+    async def read() -> list[dict[str, str | bytes]]:
+        bus = RedisBus(redis_url, job_id)
+        try:
+            return await bus.read_dlq()
+        finally:
+            await bus.close()
+
+    records = asyncio.run(read())
+    newest = [{k: v for k, v in r.items() if k != "payload"} for r in records[-num_newest:]] if num_newest else []
+    counts = dead_letter_counts(records)
+    if as_json:
+        print(json.dumps({"job_id": job_id, "total": len(records), "by_reason": counts, "newest": newest}, indent=2))
+        return 0
+    print(f"{len(records)} dead letters for job {job_id}")
+    for reason, count in counts.items():
+        print(f"{count:8d}  {reason}")
+    for record in newest:
+        print(f"{record['dlq_id']}  {record['stream']} {record['entry_id']}: {record['reason']}")
+    return 0

@@ -306,8 +306,16 @@ def test_bad_events_on_every_stream_are_dead_lettered(start_job: Callable[..., J
         dlq = [{k.decode(): v for k, v in fields.items()} for _, fields in client.xrange(f"jetroll:{job.job_id}:dlq")]
     finally:
         client.close()
-    check_summary(job, max_steps=4)
+    summary = check_summary(job, max_steps=4)
     audit_ledger(redis_url, job.job_id, max_steps=4, groups_per_step=4, group_size=4)
+    # `jetroll dlq` and the summary count them by stream and kind of reason
+    listed = subprocess.run([*JETROLL, "dlq", job.job_id, "--redis-url", redis_url, "--json", "--list", "3"],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    report = json.loads(listed.stdout)
+    assert report["total"] == len(dlq) == sum(report["by_reason"].values()) and len(report["newest"]) == 3
+    assert report["by_reason"] == summary["dead_letters"]
+    assert report["by_reason"]["traj:scored: invalid ScoredEvent: reward N is outside [N, N]"] == 1
     reasons = {(r["stream"].decode(), r["entry_id"].decode()): r["reason"].decode() for r in dlq}
     for entry_id, (stream, phrase) in injected.items():
         assert (stream, entry_id) in reasons, f"{stream} {entry_id} ({phrase}) not dead-lettered: {reasons}"
