@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.services.launch.entrypoints import service_main, set_threads
-from jetroll.shared.config.base import ConfigError, WarmStartError
+from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError, WarmStartError
 from jetroll.shared.config.job import load_config, validate_config
 
 SERVICES = ("controller", "rollout", "reward", "trainer")
@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except WarmStartError as exc:
         print(f"jetroll: {exc}", file=sys.stderr)
         return 1
+    except JobFailedError as exc:
+        print(f"jetroll: job failed: {exc}", file=sys.stderr)
+        return JOB_FAILED_EXIT
     except KeyboardInterrupt:
         print(f"jetroll: {args.command} interrupted", file=sys.stderr)
         return 130

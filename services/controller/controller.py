@@ -12,6 +12,7 @@ from pathlib import Path
 from jetroll.services.controller.progress import MetricsBook, ProgressView, plot_curves
 from jetroll.services.controller.routing import route_tasks
 from jetroll.services.rollout.evaluate import evaluate
+from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
@@ -38,6 +39,31 @@ log = logging.getLogger("jetroll.controller")
 # to rebuild the step in progress (written rows come back from metrics.jsonl, drops from the ledger)
 METRICS_KEEP_S = 30.0
 METRICS_TRIM_EVERY_S = 5.0
+ALARM_WINDOW_S = 10.0  # the dead-letter alarm compares the dlq's growth with the samples recorded over this
+
+
+class DeadLetterAlarm:
+    """Fails the job when most of its events go to the dlq: at least `min_dead` within a window of ALARM_WINDOW_S
+    in which fewer samples were recorded (trained or dropped). A version skew between services looks like this,
+    and would otherwise stall the job for good."""
+
+    def __init__(self, bus: RedisBus, min_dead: int, last_id: str, num_recorded: int) -> None:
+        self.bus, self.min_dead = bus, min_dead
+        self.last_id, self.num_recorded, self.checked_at = last_id, num_recorded, time.monotonic()
+
+    def is_due(self) -> bool:
+        return time.monotonic() - self.checked_at >= ALARM_WINDOW_S
+
+    async def check(self, num_recorded: int) -> None:
+        self.last_id, dead = await self.bus.dead_letters_after(self.last_id, count=100_000)
+        num_new = num_recorded - self.num_recorded
+        self.num_recorded, self.checked_at = num_recorded, time.monotonic()
+        if len(dead) >= self.min_dead and len(dead) > num_new:
+            common, count = next(iter(dead_letter_counts(dead).items()))
+            raise JobFailedError(
+                f"{len(dead)} events went to the dlq in {ALARM_WINDOW_S:.0f} s, against {num_new} samples recorded "
+                f"(redis.dlq_alarm_min={self.min_dead}); most often ({count}): {common}. A version skew between "
+                "services? See `jetroll dlq`")
 
 
 class Controller:
@@ -66,6 +92,9 @@ class Controller:
 
     async def run(self) -> dict:
         started = time.time()
+        # from the newest dead letter on: an earlier life's are not this window's
+        alarm = DeadLetterAlarm(self.bus, self.config.redis.dlq_alarm_min, await self.bus.last_dead_letter_id(),
+                                await self._num_recorded_samples())
         await self._restore_admitted()
         while (latest := await self.store.latest()) is None:
             await asyncio.sleep(0.2)
@@ -102,6 +131,8 @@ class Controller:
                     self.version = view.version = max(self.version, version)
                 # the trainer's ledger, not the metrics stream, counts drops: it outlives any retention
                 self.admission.num_dropped = view.num_dropped = (await self.ledger.totals()).num_dropped
+                if alarm.is_due():
+                    await alarm.check(await self._num_recorded_samples())
                 view.update()
         accuracy_after = await self._evaluate(self.version)
         memory = await self._report_memory(self.version)
@@ -127,6 +158,9 @@ class Controller:
         if {shard.key: shard.sha256 for shard in manifest.shards} != event.shard_sha256:
             return f"its shards are not those the store holds for version {event.version}"
         return None
+
+    async def _num_recorded_samples(self) -> int:
+        return sum((await self.ledger.totals()).num_samples.values())
 
     async def _restore_admitted(self) -> None:
         """A restarted controller goes on counting (and drawing) from what earlier lives admitted."""

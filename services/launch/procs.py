@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from jetroll.shared.config.base import JOB_FAILED_EXIT
+
 STOP_TIMEOUT_S = 10.0
 
 
@@ -75,13 +77,13 @@ async def supervise(lives: Lives, run_life: Callable[[str], Awaitable[int | None
     """The one restart loop: run lives of a service, each under its own consumer name, until one ends cleanly (0, or
     None: its job ended first) or a death finds no restart left; returns that life's code. `on_death(consumer, code,
     is_restarted)` reports each death. A service that serves until stopped (`may_finish` False) dies by exiting,
-    even with 0."""
+    even with 0. A life that exits with JOB_FAILED_EXIT failed the job: it is not restarted."""
     while True:
         consumer = lives.consumer
         code = await run_life(consumer)
         if code is None or (code == 0 and may_finish):
             return code
-        is_restarted = lives.died()
+        is_restarted = code != JOB_FAILED_EXIT and lives.died()
         on_death(consumer, code, is_restarted)
         if not is_restarted:
             return code

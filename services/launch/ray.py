@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
-from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import RedisBus, RedisUnreachable, server_version
 from jetroll.shared.protocol.replicas import ReplicaVersions
@@ -231,6 +231,9 @@ class RayJob:
             try:
                 await service_main("controller", self.config, self.redis_url, consumer, self.run_dir)
                 return 0
+            except JobFailedError as exc:
+                errors.append(exc)
+                return JOB_FAILED_EXIT
             except Exception as exc:
                 log.exception("%s failed", consumer)
                 errors.append(exc)

@@ -13,5 +13,12 @@ class WarmStartError(RuntimeError):
     """The warm start could not land the base model in `model.warm_start.target_band`; nothing was cached."""
 
 
+JOB_FAILED_EXIT = 3  # a service's exit code for "this job cannot succeed": its launcher does not restart it
+
+
+class JobFailedError(RuntimeError):
+    """A service found that the job cannot succeed (e.g. the dead-letter alarm); it exits with JOB_FAILED_EXIT."""
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

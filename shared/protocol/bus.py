@@ -313,6 +313,21 @@ class RedisBus:
             fields["payload"] = payload
         await self.redis.xadd(self.key(DLQ), fields, maxlen=DLQ_KEPT, approximate=True)
 
+    async def last_dead_letter_id(self) -> str:
+        """The id of the newest dlq record ("0-0" for none): where a reader of only new dead letters starts."""
+        newest = await self.redis.xrevrange(self.key(DLQ), count=1)
+        return as_str(newest[0][0]) if newest else "0-0"
+
+    async def dead_letters_after(self, last_id: str, count: int) -> tuple[str, list[dict[str, str]]]:
+        """Up to `count` dlq records after `last_id`, without payloads: the new last id, and their stream and reason.
+        (The dlq is capped, so its length stops counting; ids do not.)"""
+        entries = await self.redis.xrange(self.key(DLQ), min=f"({last_id}", count=count)
+        if not entries:
+            return last_id, []
+        records = [{name: as_str(fields.get(name.encode(), b"")) for name in ("stream", "reason")}
+                   for _, fields in entries]
+        return as_str(entries[-1][0]), records
+
     async def read_dlq(self) -> list[dict[str, str | bytes]]:
         """All dlq records, oldest first; `payload` stays bytes, other fields are str."""
         out = []

@@ -127,8 +127,9 @@ def check_scored(event: ScoredEvent, limits: EventLimits, newest_version: int | 
     """A scored sample: its trajectory, and a reward in [0, 1] when there is one."""
     if event.reward is not None and not (math.isfinite(event.reward) and 0.0 <= event.reward <= 1.0):
         return f"reward {event.reward} is outside [0, 1]"
-    if event.attempts < 1:
-        return f"attempts {event.attempts} < 1"
+    least = 0 if event.status == "env_fail" else 1  # a failed environment is never scored: no call was made
+    if event.attempts < least:
+        return f"attempts {event.attempts} < {least} for status {event.status!r}"
     return check_trajectory(event.trajectory, limits, newest_version)
 
 

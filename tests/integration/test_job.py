@@ -479,3 +479,34 @@ def test_unknown_top_level_key_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "bogus_section" in lines[0] and "unknown key" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("alarm_min", [200, 10**6], ids=["alarm", "alarm-off"])
+def test_dead_letter_alarm_fails_a_job_whose_events_mostly_go_to_the_dlq(
+    start_job: Callable[..., Job], redis_url: str, alarm_min: int
+) -> None:
+    """A flood of undecodable trajectories (what a schema skew between rollout and the router sends) outnumbers the
+    samples trained: at the default `redis.dlq_alarm_min` the controller fails the job at once, without a restart,
+    naming the commonest reason; with the alarm out of reach the same job finishes."""
+    job = start_job("trainer.max_steps=300", "trainer.checkpoint_every=100", f"redis.dlq_alarm_min={alarm_min}")
+    client = redis.Redis.from_url(redis_url)
+    raw = f"jetroll:{job.job_id}:traj:raw"
+    try:
+        job.wait_until(lambda: client.exists(raw) and client.xinfo_groups(raw), "the reward consumer group")
+        with client.pipeline(transaction=False) as pipe:
+            for i in range(12000):  # more than the job trains in the alarm's 10 s window
+                pipe.xadd(raw, {b"e": b"\xc1skew" + str(i).encode()})
+            pipe.execute()
+        code = job.wait()
+    finally:
+        client.close()
+    stderr = job.stderr()
+    if alarm_min == 10**6:
+        assert code == 0, job.report()
+        assert json.loads((job.run_dir / "summary.json").read_text())["steps"] == 300
+        return
+    assert code != 0, job.report()
+    assert "job failed:" in job.service_log("controller") or "job failed:" in stderr, job.report()
+    assert "events went to the dlq in 10 s" in job.service_log("controller") + stderr
+    assert "traj:raw: undecodable event" in job.service_log("controller") + stderr
+    assert "service controller died (exit 3) after 0 restarts" in stderr, stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from jetroll.services.launch.procs import Lives, supervise
+from jetroll.shared.config.base import JOB_FAILED_EXIT
 
 
 def run(codes: list[int | None], max_restarts: int, may_finish: bool = True) -> tuple[int | None, list, list]:
@@ -23,10 +24,18 @@ def run(codes: list[int | None], max_restarts: int, may_finish: bool = True) -> 
 
 
 def test_each_life_runs_under_a_new_consumer_until_one_finishes() -> None:
-    code, consumers, deaths = run([-9, 3, 0], max_restarts=3)
+    code, consumers, deaths = run([-9, 4, 0], max_restarts=3)
     assert code == 0
     assert consumers == ["rollout-0", "rollout-0-r1", "rollout-0-r2"]
-    assert deaths == [("rollout-0", -9, True), ("rollout-0-r1", 3, True)]
+    assert deaths == [("rollout-0", -9, True), ("rollout-0-r1", 4, True)]
+
+
+def test_a_life_that_failed_the_job_is_not_restarted() -> None:
+    """JOB_FAILED_EXIT (the dead-letter alarm's exit): the job cannot succeed, so a restart would only repeat it."""
+    code, consumers, deaths = run([JOB_FAILED_EXIT, 0], max_restarts=3)
+    assert code == JOB_FAILED_EXIT
+    assert consumers == ["rollout-0"]
+    assert deaths == [("rollout-0", JOB_FAILED_EXIT, False)]
 
 
 def test_a_death_past_the_budget_returns_its_code() -> None:

@@ -123,6 +123,16 @@ def test_bad_announcements_name_the_problem(fields: dict[str, Any], reason: str)
     assert reason in (check_weights(msgspec.structs.replace(weights, **fields), LIMITS, URI) or "")
 
 
+def test_attempts_count_reward_calls_and_a_failed_environment_makes_none() -> None:
+    def scored(status: str, attempts: int) -> ScoredEvent:
+        return ScoredEvent(job_id="j", trajectory=trajectory(), reward=0.5 if status == "ok" else None,
+                           status=status, attempts=attempts, backend="local", latency_s=0.0)  # type: ignore[arg-type]
+
+    assert check_scored(scored("env_fail", 0), LIMITS) is None
+    assert "attempts 0 < 1 for status 'ok'" in (check_scored(scored("ok", 0), LIMITS) or "")
+    assert "attempts -1 < 0" in (check_scored(scored("env_fail", -1), LIMITS) or "")
+
+
 def test_expecting_refuses_other_kinds() -> None:
     check = expecting(GroupEvent, lambda event: check_group(event, LIMITS))
     assert asyncio.run(check(group())) is None
