@@ -62,8 +62,16 @@ class Trainer:
         self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
         self.model.train()
         limits = EventLimits.of(config, self.model.args.vocab_size)
-        # tokens come only from published versions: none newer than the trainer's own
-        self.is_scored = expecting(ScoredEvent, lambda event: check_scored(event, limits, self.version))
+        self.invalid: dict[str, str] = {}  # traj_id -> group_id of scored events dead-lettered since the last read
+
+        def check(event: ScoredEvent) -> str | None:
+            # tokens come only from published versions: none newer than the trainer's own
+            reason = check_scored(event, limits, self.version)
+            if reason is not None:
+                self.invalid[event.trajectory.traj_id] = event.trajectory.group_id
+            return reason
+
+        self.is_scored = expecting(ScoredEvent, check)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.trainer.lr,
                                            weight_decay=config.trainer.weight_decay)
         self.reference: CausalLM | None = None
@@ -161,6 +169,27 @@ class Trainer:
             if event.trajectory.group_id in done or not self.buffer.add(delivery.entry_id, event):
                 await self.bus.ack(STREAM, GROUP, delivery.entry_id)  # a reclaimed copy: keep the first
         await self._drop_failed()
+        if self.invalid:
+            await self._drop_invalid()
+
+    async def _drop_invalid(self) -> None:
+        """Drop each in-flight group whose missing sample came only as a dead-lettered event: it could never
+        complete, and the eta_hard wait would wait on it for good. An invalid copy of a sample already held is
+        only dead-lettered."""
+        invalid, self.invalid = self.invalid, {}
+        live, done = await self.in_flight.members(), await self.ledger.recorded(set(invalid.values()))
+        dropped: dict[str, PendingGroup | None] = {}
+        for traj_id, group_id in invalid.items():
+            held = self.buffer.groups.get(group_id)
+            if group_id in live and group_id not in done and group_id not in self.training and \
+                    not (held and traj_id in held.samples):
+                dropped[group_id] = self.buffer.groups.pop(group_id, None)
+        if not dropped:
+            return
+        log.warning("dropping %d groups with an invalid sample (see the dlq): %s", len(dropped), sorted(dropped))
+        await self.ledger.record({g: Outcome(self.version, "dropped:invalid", len(p.samples) if p else 0)
+                                  for g, p in dropped.items()}, keep_groups=self.config.redis.ledger_keep_groups)
+        await self.bus.ack(STREAM, GROUP, *(i for p in dropped.values() if p for i in p.entry_ids))
 
     async def _required_groups(self) -> frozenset[str]:
         """In-flight groups this step must include: trained any later, their oldest tokens would lag more than

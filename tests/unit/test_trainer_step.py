@@ -3,6 +3,7 @@ the loss's config knobs do to the update it makes."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import tempfile
@@ -23,7 +24,10 @@ from jetroll.shared.model.checkpoint import save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.events import Array, GroupEvent, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.in_flight import InFlightIndex
+from jetroll.shared.protocol.ledger import Ledger, Outcome
+from jetroll.shared.protocol.topology import TRAJ_SCORED
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, collate
 from jetroll.shared.store import setup_store
 from jetroll.shared.tasks.registry import get_task
@@ -196,3 +200,44 @@ def test_entropy_bonus_raises_the_entropy_the_step_leaves(
         entropy_after[coef] = float(entropy[batch.loss_mask > 0].mean())
     assert float((updated[1.0] - updated[0.0]).norm() / updated[0.0].norm()) > 0.05
     assert entropy_after[1.0] > entropy_after[0.0]
+
+
+@pytest.mark.parametrize("invalid_sample", [3, 1], ids=["missing-sample", "copy-of-a-held-sample"])
+def test_a_group_whose_missing_sample_is_invalid_is_dropped(
+    invalid_sample: int, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """Samples 0-2 of an in-flight group arrive valid and one copy of sample `invalid_sample` arrives with NaN
+    log-probs. When that was the missing sample, the group can never complete (the eta_hard wait would wait on it
+    for good), so the trainer records it `dropped:invalid` and acks its entries; an invalid copy of a sample it
+    already holds is only dead-lettered."""
+    trainer = make_trainer(model_dir, tmp_path, redis_url)
+    job = trainer.config.job_id
+    tokenizer = build_char_tokenizer()
+
+    async def body() -> tuple[dict, list, int]:
+        await trainer.bus.ensure_group(TRAJ_SCORED.name, TRAJ_SCORED.group)
+        admitted = GroupEvent(job_id=job, group_id="g0", task="arithmetic", pool="default", prompt=PROMPTS[0],
+                              prompt_ids=Array.of(tokenizer.encode(PROMPTS[0]), "<i4"), answer="0", group_size=4,
+                              max_new_tokens=8, v_adm=0)
+        await InFlightIndex(trainer.bus).admit([admitted])
+        completion = tokenizer.encode("46")
+        for sample in range(3):
+            await trainer.bus.publish(TRAJ_SCORED.name, trajectory(job, sample, completion, [-0.5, -0.5]))
+        bad = trajectory(job, invalid_sample, completion, [float("nan"), -0.5])
+        await trainer.bus.publish(TRAJ_SCORED.name, bad)
+        for _ in range(3):
+            await trainer._ingest()
+        outcomes = await Ledger(trainer.bus).outcomes()
+        lag = await trainer.bus.lag(TRAJ_SCORED.name, TRAJ_SCORED.group)
+        dlq = await trainer.bus.read_dlq()
+        await trainer.bus.close()
+        return outcomes, dlq, lag
+
+    outcomes, dlq, lag = asyncio.run(body())
+    assert len(dlq) == 1 and "behavior_logprobs" in dlq[0]["reason"]
+    if invalid_sample == 3:
+        assert outcomes["g0"] == Outcome(0, "dropped:invalid", 3) and lag == 0
+        assert "g0" not in trainer.buffer.groups
+    else:
+        assert outcomes == {} and lag == 3  # the three held samples stay pending until their group trains
+        assert len(trainer.buffer.groups["g0"].samples) == 3
