@@ -146,10 +146,13 @@ def check_weights(event: WeightsPublishedEvent, limits: EventLimits, manifest_ur
 
 
 def check_metrics(event: MetricsEvent, limits: EventLimits) -> str | None:
+    """A metric: the trainer's `step` is its version, which rows are keyed by; another service's counts what it
+    likes (the reward router: samples scored)."""
     if not event.name or not event.service:
         return "a metric without a name or a service"
-    if not 0 <= event.step <= limits.max_version:
-        return f"step {event.step} is outside 0..{limits.max_version}"
+    high = limits.max_version if event.service == "trainer" else None
+    if event.step < 0 or high is not None and event.step > high:
+        return f"step {event.step} of a {event.service} metric is outside 0..{high if high is not None else ''}"
     return None
 
 

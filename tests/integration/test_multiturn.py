@@ -200,6 +200,7 @@ def test_calculator_job_end_to_end(smoke_model: str, redis_url: str, tmp_path: P
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["groups_dropped"] == 0
+    assert summary["dead_letters"] == {}  # no check refused an episode's own events (observation tokens included)
     assert summary["accuracy_before"] > 0  # the warm-started model already calls the tool on some problems
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 2, 4]

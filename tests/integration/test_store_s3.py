@@ -299,7 +299,9 @@ def test_trainer_resumes_from_s3_checkpoint(
         stop(second)
 
     assert "resumed from checkpoint step 4 at version 4" in second.service_log("trainer")
-    assert json.loads((second.run_dir / "summary.json").read_text())["steps"] == 6
+    summary = json.loads((second.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert summary["dead_letters"] == {}  # every announcement named its manifest in this job's S3 store
     root = f"{PREFIX}/{job_id}"
     assert s3.get_object(Bucket=bucket, Key=f"{root}/weights/LATEST")["Body"].read() == b"6\n"
     checkpoints = {k.split("/")[3] for k in keys(s3, bucket, f"{root}/checkpoints/") if k.endswith("manifest.json")}

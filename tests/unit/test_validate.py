@@ -133,6 +133,15 @@ def test_attempts_count_reward_calls_and_a_failed_environment_makes_none() -> No
     assert "attempts -1 < 0" in (check_scored(scored("env_fail", -1), LIMITS) or "")
 
 
+def test_only_the_trainers_metric_steps_are_versions() -> None:
+    def metric(service: str, step: int) -> MetricsEvent:
+        return MetricsEvent(job_id="j", service=service, name="x", value=float("nan"), step=step)
+
+    assert check_metrics(metric("reward", 187), LIMITS) is None  # the router counts samples scored
+    assert "step 11 of a trainer metric is outside 0..10" in (check_metrics(metric("trainer", 11), LIMITS) or "")
+    assert "outside" in (check_metrics(metric("reward", -1), LIMITS) or "")
+
+
 def test_expecting_refuses_other_kinds() -> None:
     check = expecting(GroupEvent, lambda event: check_group(event, LIMITS))
     assert asyncio.run(check(group())) is None
