@@ -124,6 +124,7 @@ def test_worker_keeps_decoding_while_an_environment_hangs(
     config = validate_config({
         "job_id": job, "model": {**TINY.model_dump(), "path": str(model_dir)},
         "store": {"root": str(tmp_path / "store")}, "trainer": {"group_size": 4},
+        "tasks": [{"name": turns_task.name}],  # a worker refuses groups of tasks its job does not run
         "rollout": {"max_batch": 8, "max_seq_len": 64, "compile": False, "env_timeout_s": 1.0}})
 
     async def scenario() -> tuple[list[tuple[float, TrajectoryEvent]], dict[str, float]]:
