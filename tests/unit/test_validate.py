@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from jetroll.shared.config.job import validate_config
 from jetroll.shared.protocol.events import (
     Array,
     GroupEvent,
@@ -158,3 +159,12 @@ def test_dead_letters_count_by_stream_and_kind_of_reason() -> None:
         "traj:raw: invalid TrajectoryEvent: v_tok spans versions N..N, outside N..N": 2,
         "groups:default: invalid GroupEvent: task '…' is not one of ...": 2,
         "weights: undecodable event: ...": 1}
+
+
+def test_limits_follow_the_config_and_the_timing_engine_draws_past_the_window() -> None:
+    real = EventLimits.of(validate_config({"job_id": "j", "rollout": {"max_seq_len": 48}}), 40)
+    assert (real.max_seq_len, real.group_size, real.tasks, real.pools) == (48, 8, {"arithmetic"}, {"default"})
+    assert real.max_new_tokens == 8  # the arithmetic task's budget
+    timing = validate_config({"job_id": "j", "rollout": {"engine": "timing", "max_seq_len": 48,
+                                                         "timing": {"max_tokens": 4096}}})
+    assert EventLimits.of(timing, 40).max_seq_len == 48 + 4096
