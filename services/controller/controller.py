@@ -43,13 +43,14 @@ ALARM_WINDOW_S = 10.0  # the dead-letter alarm compares the dlq's growth with th
 
 
 class DeadLetterAlarm:
-    """Fails the job when most of its events go to the dlq: at least `min_dead` within a window of ALARM_WINDOW_S
-    in which fewer samples were recorded (trained or dropped). A version skew between services looks like this,
-    and would otherwise stall the job for good."""
+    """Fails the job when most of its events go to the dlq: `min_dead` dead letters over consecutive windows of
+    ALARM_WINDOW_S, in each of which fewer samples were recorded (trained or dropped) than dead-lettered. A version
+    skew between services looks like this, fast or slow, and would otherwise stall the job for good."""
 
     def __init__(self, bus: RedisBus, min_dead: int, last_id: str, num_recorded: int) -> None:
         self.bus, self.min_dead = bus, min_dead
         self.last_id, self.num_recorded, self.checked_at = last_id, num_recorded, time.monotonic()
+        self.suspect: list[dict[str, str]] = []  # dead letters of the current run of such windows
 
     def is_due(self) -> bool:
         return time.monotonic() - self.checked_at >= ALARM_WINDOW_S
@@ -58,12 +59,13 @@ class DeadLetterAlarm:
         self.last_id, dead = await self.bus.dead_letters_after(self.last_id, count=100_000)
         num_new = num_recorded - self.num_recorded
         self.num_recorded, self.checked_at = num_recorded, time.monotonic()
-        if len(dead) >= self.min_dead and len(dead) > num_new:
-            common, count = next(iter(dead_letter_counts(dead).items()))
+        self.suspect = self.suspect + dead if len(dead) > num_new else []
+        if len(self.suspect) >= self.min_dead:
+            common, count = next(iter(dead_letter_counts(self.suspect).items()))
             raise JobFailedError(
-                f"{len(dead)} events went to the dlq in {ALARM_WINDOW_S:.0f} s, against {num_new} samples recorded "
-                f"(redis.dlq_alarm_min={self.min_dead}); most often ({count}): {common}. A version skew between "
-                "services? See `jetroll dlq`")
+                f"{len(self.suspect)} events went to the dlq, more than the samples recorded in each "
+                f"{ALARM_WINDOW_S:.0f} s meanwhile (redis.dlq_alarm_min={self.min_dead}); most often ({count}): "
+                f"{common}. A version skew between services? See `jetroll dlq`")
 
 
 class Controller:

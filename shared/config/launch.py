@@ -10,10 +10,10 @@ from jetroll.shared.config.base import Strict
 class RedisConfig(Strict):
     url: str | None = Field(None, description="Redis URL; None starts a private redis-server")
     max_deliveries: int = Field(5, ge=1, description="deliveries before an entry goes to the dlq")
-    dlq_alarm_min: int = Field(200, ge=1, description="the controller fails the job (exit 3, no restart) when at "
-                               "least this many entries go to the dlq within 10 s in which fewer samples were "
-                               "trained or dropped: a version skew between services dead-letters every event, "
-                               "which would otherwise stall the job for good")
+    dlq_alarm_min: int = Field(200, ge=1, description="the controller fails the job (exit 3, no restart) once this "
+                               "many entries went to the dlq over consecutive 10 s windows, each with fewer samples "
+                               "trained or dropped than dead-lettered: a version skew between services dead-letters "
+                               "every event, which would otherwise stall the job for good")
     claim_idle_ms: int = Field(30000, ge=100, description="XAUTOCLAIM entries idle this long")
     max_lag: int = Field(2048, ge=1, description="backpressure: producers wait while consumer lag exceeds")
     ledger_keep_groups: int = Field(1024, ge=0, description="outcomes the ledger keeps of groups below its fully "

@@ -511,6 +511,6 @@ def test_dead_letter_alarm_fails_a_job_whose_events_mostly_go_to_the_dlq(
         return
     assert code != 0, job.report()
     assert "job failed:" in job.service_log("controller") or "job failed:" in stderr, job.report()
-    assert "events went to the dlq in 10 s" in job.service_log("controller") + stderr
+    assert "events went to the dlq, more than the samples recorded" in job.service_log("controller") + stderr
     assert "traj:raw: undecodable event" in job.service_log("controller") + stderr
     assert "service controller died (exit 3) after 0 restarts" in stderr, stderr
