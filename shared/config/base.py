@@ -13,7 +13,7 @@ class WarmStartError(RuntimeError):
     """The warm start could not land the base model in `model.warm_start.target_band`; nothing was cached."""
 
 
-JOB_FAILED_EXIT = 3  # a service's exit code for "this job cannot succeed": its launcher does not restart it
+JOB_FAILED_EXIT = 65  # EX_DATAERR: a service found the job cannot succeed; its launcher does not restart it
 
 
 class JobFailedError(RuntimeError):

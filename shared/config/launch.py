@@ -10,7 +10,7 @@ from jetroll.shared.config.base import Strict
 class RedisConfig(Strict):
     url: str | None = Field(None, description="Redis URL; None starts a private redis-server")
     max_deliveries: int = Field(5, ge=1, description="deliveries before an entry goes to the dlq")
-    dlq_alarm_min: int = Field(200, ge=1, description="the controller fails the job (exit 3, no restart) once this "
+    dlq_alarm_min: int = Field(200, ge=1, description="the controller fails the job (exit 65, no restart) once this "
                                "many entries went to the dlq over consecutive 10 s windows, each with fewer samples "
                                "trained or dropped than dead-lettered: a version skew between services dead-letters "
                                "every event, which would otherwise stall the job for good")

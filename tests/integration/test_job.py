@@ -513,4 +513,4 @@ def test_dead_letter_alarm_fails_a_job_whose_events_mostly_go_to_the_dlq(
     assert "job failed:" in job.service_log("controller") or "job failed:" in stderr, job.report()
     assert "events went to the dlq, more than the samples recorded" in job.service_log("controller") + stderr
     assert "traj:raw: undecodable event" in job.service_log("controller") + stderr
-    assert "service controller died (exit 3) after 0 restarts" in stderr, stderr
+    assert "service controller died (exit 65) after 0 restarts" in stderr, stderr
