@@ -66,12 +66,12 @@ def model_dir() -> Iterator[Path]:
         yield Path(tmp)
 
 
-def job_config(model_dir: Path, run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
+def job_config(model_dir: Path, run_dir: Path, **sections: Any) -> JobConfig:
     tree: dict[str, Any] = {"job_id": f"s{uuid.uuid4().hex[:8]}", "eval": {"num_problems": 1},
                             "model": {**TINY.model_dump(), "path": str(model_dir)},
                             "store": {"root": str(run_dir / "store")}}
     for name, fields in sections.items():
-        tree[name] = {**tree.get(name, {}), **fields}
+        tree[name] = {**tree.get(name, {}), **fields} if isinstance(fields, dict) else fields
     return validate_config(tree)
 
 
@@ -133,21 +133,24 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
         task = asyncio.create_task(trainer.run())
         try:
             await bus.redis.zadd(bus.key(IN_FLIGHT), {"g1": 0, "g2": 0, "g3": 1, "g4": 1, "g5": 2, "g6": 2})
-            await bus.publish_many("traj:scored", [
-                scored(job, "g1", 0, 0, [0, 0]),
-                *(scored(job, "g2", i, 0, [0, 0]) for i in range(2)),
-                *(scored(job, "g3", i, 1, [1, 1]) for i in range(2)),
-                *(scored(job, "g4", i, 1, [1, 2]) for i in range(2))])
-            async def is_at_v2() -> bool:
-                return trainer.version >= 2
 
-            await until(is_at_v2, task, "step 2")
+            async def publish_once_at(version: int, events: list[ScoredEvent]) -> None:
+                """As rollout would: a token of version v exists only once the trainer has published v."""
+                async def reached() -> bool:
+                    return trainer.version >= version
+
+                await until(reached, task, f"v{version}")
+                await bus.publish_many("traj:scored", events)
+
+            await publish_once_at(0, [scored(job, "g1", 0, 0, [0, 0]), *(scored(job, "g2", i, 0, [0, 0])
+                                                                          for i in range(2))])
+            await publish_once_at(1, [scored(job, "g3", i, 1, [1, 1]) for i in range(2)])
+            await publish_once_at(2, [scored(job, "g4", i, 1, [1, 2]) for i in range(2)])
             await asyncio.sleep(0.5)
             version_while_waiting = trainer.version
-            await bus.publish_many("traj:scored", [
-                scored(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2]),
-                *(scored(job, "g5", i, 2, [2, 3, 4]) for i in range(2)),
-                *(scored(job, "g6", i, 2, [0, 0, 3, 4]) for i in range(2))])
+            await bus.publish("traj:scored", scored(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2]))
+            await publish_once_at(4, [*(scored(job, "g5", i, 2, [2, 3, 4]) for i in range(2)),
+                                      *(scored(job, "g6", i, 2, [0, 0, 3, 4]) for i in range(2))])
             await asyncio.wait_for(task, timeout=60)
             return await trainer_rows(bus), version_while_waiting, await bus.redis.zcard(bus.key(IN_FLIGHT))
         finally:
@@ -224,8 +227,9 @@ def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
     """The real rollout worker on a real Redis and store: v1 is published while a group decodes. Every token's
     behaviour log-prob must be a full forward of the weights its v_tok names: the old ones before the swap, the
     new ones (KV cache recomputed) after it."""
+    # count32: a task whose sample budget (159 tokens) admits the long group below
     config = job_config(model_dir, tmp_path, rollout={"max_batch": 8, "max_seq_len": 160, "compile": False},
-                        trainer={"group_size": 8})
+                        trainer={"group_size": 8}, tasks=[{"name": "count32"}])
     job = config.job_id
     new_dir = tmp_path / "v1-src"
     build_model(new_dir, seed=1, weight_scale=10.0)
@@ -255,7 +259,7 @@ def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
         try:
             prompt = "12*34="
             await bus.publish("groups:default", GroupEvent(
-                job_id=job, group_id="g0000001", task="arithmetic", pool="default", prompt=prompt,
+                job_id=job, group_id="g0000001", task="count32", pool="default", prompt=prompt,
                 prompt_ids=Array.of(tokenizer.encode(prompt), "<i4"), answer="408", group_size=8,
                 max_new_tokens=120, v_adm=0))
             async def is_delivered() -> bool:
