@@ -96,7 +96,7 @@ class Controller:
         started = time.time()
         # from the newest dead letter on: an earlier life's are not this window's
         alarm = DeadLetterAlarm(self.bus, self.config.redis.dlq_alarm_min, await self.bus.last_dead_letter_id(),
-                                await self._num_recorded_samples())
+                                (await self.ledger.totals()).num_samples_recorded)
         await self._restore_admitted()
         while (latest := await self.store.latest()) is None:
             await asyncio.sleep(0.2)
@@ -132,9 +132,10 @@ class Controller:
                         await self._report_memory(version)
                     self.version = view.version = max(self.version, version)
                 # the trainer's ledger, not the metrics stream, counts drops: it outlives any retention
-                self.admission.num_dropped = view.num_dropped = (await self.ledger.totals()).num_dropped
+                totals = await self.ledger.totals()
+                self.admission.num_dropped = view.num_dropped = totals.num_dropped
                 if alarm.is_due():
-                    await alarm.check(await self._num_recorded_samples())
+                    await alarm.check(totals.num_samples_recorded)
                 view.update()
         accuracy_after = await self._evaluate(self.version)
         memory = await self._report_memory(self.version)
@@ -160,9 +161,6 @@ class Controller:
         if {shard.key: shard.sha256 for shard in manifest.shards} != event.shard_sha256:
             return f"its shards are not those the store holds for version {event.version}"
         return None
-
-    async def _num_recorded_samples(self) -> int:
-        return sum((await self.ledger.totals()).num_samples.values())
 
     async def _restore_admitted(self) -> None:
         """A restarted controller goes on counting (and drawing) from what earlier lives admitted."""

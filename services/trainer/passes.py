@@ -1,7 +1,7 @@
 """The trainer's forward passes over one batch: which rows need a gradient, packing, and the exact backend's pi_prox.
 
 `policy_pass` gives the step what the algorithm needs, whatever the backend: the log-probs of the gradient rows (with
-grad) and their token entropy (with grad, for the entropy bonus), and pi_prox with its token entropy for every row.
+grad) and, for the entropy bonus, their token entropy with grad, and pi_prox with its token entropy for every row.
 """
 
 from __future__ import annotations
@@ -54,15 +54,17 @@ class PolicyPass:
     rows: torch.Tensor  # indices of the gradient rows
     width: int  # their columns up to the last policy token
     logp: torch.Tensor | None  # [rows, width] with grad; None when no row has a gradient
-    row_entropy: torch.Tensor | None  # [rows, width] their token entropy, with grad
+    row_entropy: torch.Tensor | None  # [rows, width] their token entropy with grad; None unless asked for
     prox_logp: torch.Tensor  # [B, T] pi_prox: the weights at the start of the step
     entropy: torch.Tensor  # [B, T] its token entropy
 
 
-def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad_id: int) -> PolicyPass:
+def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad_id: int, *,
+                entropy_grad: bool = False) -> PolicyPass:
     """The forward passes of one step. `with_grad` [B] marks the rows of the gradient pass; the rest get a no-grad
-    pass only. On `fast`, pi_prox is the gradient pass's own forward, detached (one update per version); on `exact`
-    it comes from a full exact pass, and the gradient pass stays on `fast`."""
+    pass only; `entropy_grad` also gives the gradient rows' entropy with grad (the entropy bonus). On `fast`,
+    pi_prox is the gradient pass's own forward, detached (one update per version); on `exact` it comes from a full
+    exact pass, and the gradient pass stays on `fast`."""
     is_exact = model.precision.backend == "exact"
     if is_exact:
         prox_logp, entropy = proximal_pass(model, batch.input_ids, batch.targets, batch.temperature)
@@ -81,11 +83,14 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
     width = policy_width(batch.loss_mask[rows])
     logits = group_logits(model, batch, rows, width, pad_id)
     logp = token_logprobs(logits, batch.targets[rows, :width], batch.temperature[rows])
-    row_entropy = token_entropy(logits, batch.temperature[rows])
+    row_entropy = None
+    if entropy_grad or not is_exact:
+        with torch.set_grad_enabled(entropy_grad):  # the metric alone needs no graph
+            row_entropy = token_entropy(logits, batch.temperature[rows])
     if not is_exact:
         prox_logp[rows, :width] = logp.detach()
         entropy[rows, :width] = row_entropy.detach()
-    return PolicyPass(rows, width, logp, row_entropy, prox_logp, entropy)
+    return PolicyPass(rows, width, logp, row_entropy if entropy_grad else None, prox_logp, entropy)
 
 
 def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int,

@@ -232,7 +232,7 @@ class Trainer:
         # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
         with_grad = gradient_rows(batch.rewards, has_kl=self.reference is not None)
         self.optimizer.zero_grad(set_to_none=True)
-        policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id)
+        policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id, entropy_grad=cfg.entropy_coef > 0)
         advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
         loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, self.version, self.config.staleness.eta_hard)
         stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self._lr()}

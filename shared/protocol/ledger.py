@@ -79,6 +79,11 @@ class LedgerTotals:
     max_step: int  # the highest step recorded: a resumed trainer never goes below it
 
     @property
+    def num_samples_recorded(self) -> int:
+        """Samples of every recorded group, trained or dropped."""
+        return sum(self.num_samples.values())
+
+    @property
     def num_dropped(self) -> int:
         return sum(n for status, n in self.num_groups.items() if status.startswith("dropped:"))
 
