@@ -223,21 +223,42 @@ class Engine:
             v[[a, b], :, :length] = v[[b, a], :, :length]
 
     def _prefill(self) -> list[Request]:
+        """Prefill waiting requests into free slots: one forward per chunk of prompts, right-padded, since an eager
+        forward per group was most of the default job's rollout time; siblings sharing a prompt copy its cache."""
+        free = self.max_batch - len(self.running) - len(self.paused)
+        groups: list[list[Request]] = []
+        while self.waiting and free:
+            group = [self.waiting.popleft()]
+            while self.waiting and len(group) < free and self.waiting[0].prompt_ids == group[0].prompt_ids:
+                group.append(self.waiting.popleft())
+            groups.append(group)
+            free -= len(group)
         finished = []
-        while self.waiting and len(self.running) + len(self.paused) < self.max_batch:
-            first = self.waiting.popleft()
-            batch = [first]
-            # samples of one group share a prompt: prefill once, copy the cache to the siblings' slots
-            while (self.waiting and len(self.running) + len(self.paused) + len(batch) < self.max_batch
-                   and self.waiting[0].prompt_ids == first.prompt_ids):
-                batch.append(self.waiting.popleft())
+        while groups:
+            chunk = [groups.pop(0)]
+            width = len(chunk[0][0].prompt_ids)
+            while groups and (len(chunk) + 1) * max(width, len(groups[0][0].prompt_ids)) <= RECOMPUTE_TOKENS:
+                width = max(width, len(groups[0][0].prompt_ids))
+                chunk.append(groups.pop(0))
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            slots, last = [], []
             slot = len(self.running)
-            prompt = first.prompt_ids
-            logits = self.model(torch.tensor([prompt]), torch.arange(len(prompt)), self.cache, slot=slot)
-            for i in range(1, len(batch)):
-                self.cache.copy_slot(slot, slot + i, len(prompt))
-            self.running.extend(batch)
-            finished += self._sample(batch, logits[:, -1].expand(len(batch), -1), first_slot=slot)
+            for row, group in enumerate(chunk):
+                prompt = group[0].prompt_ids
+                ids[row, : len(prompt)] = torch.tensor(prompt)
+                slots.append(slot)
+                last.append(len(prompt) - 1)
+                slot += len(group)
+            first_slot = len(self.running)
+            logits = self.model(ids, torch.arange(width), self.cache, slot=torch.tensor(slots))
+            logits = logits[torch.arange(len(chunk)), torch.tensor(last)]  # [groups, V]: each prompt's last token
+            for group, start, end in zip(chunk, slots, last, strict=True):
+                for i in range(1, len(group)):
+                    self.cache.copy_slot(start, start + i, end + 1)
+                self.running.extend(group)
+            sizes = torch.tensor([len(group) for group in chunk])
+            batch = [request for group in chunk for request in group]
+            finished += self._sample(batch, logits.repeat_interleave(sizes, dim=0), first_slot=first_slot)
         return finished
 
     @torch.inference_mode()

@@ -99,6 +99,30 @@ def test_continuous_batching_finishes_everything_and_joiners_match_solo_runs() -
         assert solo.output_ids == request.output_ids
 
 
+def test_one_forward_prefills_every_waiting_group_and_siblings_share_its_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model()
+    engine = Engine(model, EOS, max_batch=6, max_len=64)
+    prompts = [prompt(3, 30), prompt(7, 31), prompt(5, 32)]  # right-padded to 7 in one forward
+    requests = [Request(f"g{g}s{s}", p, 6, temperature=1.0, ignore_eos=True)
+                for g, p in enumerate(prompts) for s in range(2)]
+    requests.append(Request("late", prompt(4, 33), 6, temperature=1.0, ignore_eos=True))  # no free slot left for it
+    prefills = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, *a, **k: prefills.append(ids.shape) or forward(ids, *a, **k))
+    engine.add(requests)
+    engine.step()
+    assert prefills == [torch.Size([3, 7])]
+    assert engine.running == requests[:-1] and list(engine.waiting) == requests[-1:]
+    monkeypatch.setattr(model, "forward", forward)
+    while engine.has_work:
+        engine.step()
+    for request in requests:
+        logprobs = torch.log_softmax(full_logits(model, request), dim=-1)
+        expected = logprobs.gather(1, torch.tensor(request.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(request.logprobs), expected, atol=1e-5, rtol=0)
+
+
 def test_eos_stops_a_sequence_unless_ignored() -> None:
     model = tiny_model()
     probe = Request("probe", prompt(4, 3), 6, temperature=0.0, ignore_eos=True)
