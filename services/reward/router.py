@@ -78,6 +78,8 @@ class RewardRouter:
         self.counts = {"scored": 0, "ok": 0, "timeout_attempts": 0, "error_attempts": 0, "throttled_attempts": 0,
                        "duplicates": 0, **{f"final_{status}": 0 for status in FINAL_STATUSES}}
         self._in_flight_ids: set[str] = set()
+        # finished entries, written and acked together once per loop: (entry id, its ScoredEvent; None for a copy)
+        self._outbox: list[tuple[str, ScoredEvent | None]] = []
         self._metrics_at = time.monotonic()
         self._metrics_scored = 0
         self._forgot_at = time.monotonic()
@@ -99,19 +101,16 @@ class RewardRouter:
                 free = self.max_in_flight - len(in_flight)
                 if free >= READ_AHEAD // 2:
                     block_ms = 50 if in_flight else self.block_ms
-                    for delivery in await self.bus.consume(
-                        RAW_STREAM, GROUP, self.consumer, count=free, block_ms=block_ms, check=self.is_trajectory
-                    ):
-                        if delivery.entry_id in self._in_flight_ids:
-                            continue  # reclaimed while we still work on it; that task acks it
-                        self._in_flight_ids.add(delivery.entry_id)
-                        in_flight.add(asyncio.create_task(self.handle(delivery)))
+                    deliveries = await self.bus.consume(
+                        RAW_STREAM, GROUP, self.consumer, count=free, block_ms=block_ms, check=self.is_trajectory)
+                    in_flight |= await self._start(deliveries)
                 if self.max_in_flight - len(in_flight) < READ_AHEAD // 2:
                     await asyncio.wait(in_flight, timeout=keep_claimed_s, return_when=asyncio.FIRST_COMPLETED)
                 done = {task for task in in_flight if task.done()}
                 in_flight -= done
                 for task in done:
                     task.result()
+                await self._flush()
                 if self._in_flight_ids and time.monotonic() - kept_at >= keep_claimed_s:
                     await self.bus.keep_claimed(RAW_STREAM, GROUP, self.consumer, sorted(self._in_flight_ids))
                     kept_at = time.monotonic()
@@ -119,24 +118,50 @@ class RewardRouter:
                 if time.monotonic() - self._forgot_at >= self.forget_every_s:
                     await self._forget_recorded()
                     self._forgot_at = time.monotonic()
+            await self._flush()
         finally:
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
 
-    async def handle(self, delivery: Delivery) -> None:
-        """Dedupe, score, publish, then ack one raw entry."""
-        try:
-            event = delivery.event
-            assert isinstance(event, TrajectoryEvent)  # `is_trajectory` dead-lettered anything else
-            if await self.bus.claim_first(SEEN_REWARD, event.traj_id, delivery.entry_id):
-                scored = await self.score(event)
-                await self.bus.publish(TRAJ_SCORED.name, scored)
+    async def _start(self, deliveries: list[Delivery]) -> set[asyncio.Task[None]]:
+        """A scoring task per entry that is first to claim its traj_id (one round trip for the batch); copies are
+        only acked."""
+        # an entry reclaimed while we still work on it is skipped: its task acks it
+        fresh = [d for d in deliveries if d.entry_id not in self._in_flight_ids]
+        claims: dict[str, str] = {}
+        for delivery in fresh:
+            assert isinstance(delivery.event, TrajectoryEvent)  # `is_trajectory` dead-lettered anything else
+            claims.setdefault(delivery.event.traj_id, delivery.entry_id)
+        owned = await self.bus.claim_first(SEEN_REWARD, claims)
+        tasks = set()
+        for delivery in fresh:
+            assert isinstance(delivery.event, TrajectoryEvent)
+            self._in_flight_ids.add(delivery.entry_id)
+            traj_id = delivery.event.traj_id
+            if traj_id in owned and claims[traj_id] == delivery.entry_id:
+                tasks.add(asyncio.create_task(self.handle(delivery)))
             else:
                 self.counts["duplicates"] += 1
-            await self.bus.ack(RAW_STREAM, GROUP, delivery.entry_id)
-        finally:
-            self._in_flight_ids.discard(delivery.entry_id)
+                self._outbox.append((delivery.entry_id, None))
+        return tasks
+
+    async def handle(self, delivery: Delivery) -> None:
+        """Score one raw entry whose traj_id it was first to claim; the loop writes the result, then acks."""
+        assert isinstance(delivery.event, TrajectoryEvent)
+        scored = await self.score(delivery.event)
+        self._outbox.append((delivery.entry_id, scored))  # after the await: the loop swaps the outbox meanwhile
+
+    async def _flush(self) -> None:
+        """Write the finished ScoredEvents, then ack their entries (and the copies'): a crash in between re-scores
+        them, and the trainer keeps the first event per traj_id."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        await self.bus.publish_many(TRAJ_SCORED.name, [scored for _, scored in outbox if scored is not None])
+        entry_ids = [entry_id for entry_id, _ in outbox]
+        await self.bus.ack(RAW_STREAM, GROUP, *entry_ids)
+        self._in_flight_ids.difference_update(entry_ids)
 
     async def _forget_recorded(self) -> None:
         """Release the dedupe claims of the trajectories whose groups are in the ledger."""

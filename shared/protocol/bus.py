@@ -133,7 +133,7 @@ class RedisBus:
         `block_ms` <= 0 does not block (unlike Redis, where BLOCK 0 waits forever).
         """
         key = self.key(stream)
-        deliveries = await self._reclaim(stream, group, consumer, count, check)
+        deliveries, _ = await self._reclaim(stream, group, consumer, count, check, self.claim_idle_ms)
         if deliveries:
             return deliveries
         block = block_ms if block_ms > 0 else None
@@ -145,16 +145,29 @@ class RedisBus:
                 out.append(delivery)
         return out
 
-    async def _reclaim(self, stream: str, group: str, consumer: str, count: int,
-                       check: EventCheck | None) -> list[Delivery]:
+    async def take_over(self, stream: str, group: str, consumer: str, *,
+                        check: EventCheck | None = None) -> list[Delivery]:
+        """Claim every pending entry of `group` now, whoever holds it: the new life of a service that is the group's
+        only consumer takes its predecessor's work over without waiting `claim_idle_ms`."""
+        out, cursor = [], "0-0"
+        while True:
+            deliveries, cursor = await self._reclaim(stream, group, consumer, 256, check, 0, cursor)
+            out += deliveries
+            if cursor == "0-0":
+                return out
+
+    async def _reclaim(self, stream: str, group: str, consumer: str, count: int, check: EventCheck | None,
+                       min_idle_ms: int, start: str = "0-0") -> tuple[list[Delivery], str]:
+        """XAUTOCLAIM from `start`: the deliveries, and the cursor to continue from ("0-0" at the end)."""
         key = self.key(stream)
-        reply = await self.redis.xautoclaim(key, group, consumer, self.claim_idle_ms, "0-0", count=count)
+        reply = await self.redis.xautoclaim(key, group, consumer, min_idle_ms, start, count=count)
+        cursor = as_str(reply[0])
         # 7.x drops deleted entries from the PEL and lists their ids apart; 6.2 returns them as nil.
         claimed = [(as_str(raw_id), fields) for raw_id, fields in reply[1] if raw_id is not None]
         if len(claimed) < len(reply[1]):
             await self._ack_deleted(stream, group, consumer)
         if not claimed:
-            return []
+            return [], cursor
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry_id, _ in claimed:
                 pipe.xpending_range(key, group, min=entry_id, max=entry_id, count=1)
@@ -169,7 +182,7 @@ class RedisBus:
             delivery = await self._accept(stream, group, entry_id, fields, times_delivered=times, check=check)
             if delivery is not None:
                 out.append(delivery)
-        return out
+        return out, cursor
 
     async def _ack_deleted(self, stream: str, group: str, consumer: str) -> None:
         """Redis 6.2: ack this consumer's pending entries that no longer exist, so lag stops counting them."""
@@ -223,14 +236,25 @@ class RedisBus:
             self._trimmed_at[stream] = now  # before the await: concurrent acks do not trim twice
             await self.trim_acked(stream)
 
-    async def claim_first(self, name: str, member: str, entry_id: str) -> bool:
-        """Dedupe on a key: True for the first entry to claim `member` in the hash `name` (and for redeliveries of
-        that same entry), False for any other entry carrying it."""
+    async def claim_first(self, name: str, claims: dict[str, str]) -> set[str]:
+        """Dedupe on a key, for many members in two round trips: of `claims` (member -> entry id), the members whose
+        entry is the first to claim them in the hash `name` (a redelivery of that same entry included); any other
+        entry carrying a member is a copy."""
+        if not claims:
+            return set()
         key = self.key(name)
-        if await self.redis.hsetnx(key, member, entry_id):
-            return True
-        owner = await self.redis.hget(key, member)
-        return owner is not None and as_str(owner) == entry_id
+        members = list(claims)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for member in members:
+                pipe.hsetnx(key, member, claims[member])
+            is_new = await pipe.execute()
+        owned = {member for member, new in zip(members, is_new, strict=True) if new}
+        taken = [member for member in members if member not in owned]
+        if taken:
+            owners = await self.redis.hmget(key, taken)
+            owned |= {member for member, owner in zip(taken, owners, strict=True)
+                      if owner is not None and as_str(owner) == claims[member]}
+        return owned
 
     async def claimed(self, name: str) -> list[str]:
         """The members claimed in the hash `name`."""
