@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import shutil
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -30,13 +30,22 @@ from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
 from jetroll.shared.rl.mismatch import mismatch_stats
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.rl.staleness import fresh_tokens, staleness_stats
-from jetroll.shared.store.base import Manifest, WeightStore
+from jetroll.shared.store.base import Manifest, StepRecord, WeightStore
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.trainer")
 
 STREAM, GROUP = TRAJ_SCORED.name, TRAJ_SCORED.group
+STATE_FILE = "trainer_state.json"
 WEIGHTS_KEPT = 256  # weights announcements kept: readers need the newest; a controller this far behind skips evals
+
+
+class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The step a checkpoint's state came out of: what a restarted trainer re-records and acks."""
+
+    version: int
+    groups: dict[str, int]  # group id -> samples trained
+    entry_ids: list[str]  # their scored entries
 
 
 class Trainer:
@@ -52,12 +61,15 @@ class Trainer:
         self.quotas = task_quotas(config) if config.trainer.task_quotas else None
         self.version = 0
         self.stale_wait_s = 0.0  # waiting on an in-flight group that must join the step, with B groups at hand
-        self.training: dict[str, PendingGroup] = {}  # the groups of the step in progress, acked once recorded
+        # the groups of the step in progress and of the commit in the background, acked once recorded
+        self.training: dict[str, PendingGroup] = {}
+        self.commit_task: asyncio.Task[None] | None = None
         self.claims_kept_at = 0.0
         self.publish_s = 0.0
         self.ingested = asyncio.Event()  # set after each read of the scored stream
         self.ingest_task: asyncio.Task[None] | None = None
         self.is_training = False
+        self.has_taken_over = False
         assert config.model.path, "the launcher resolves model.path before services start"
         self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
         self.model.train()
@@ -95,33 +107,61 @@ class Trainer:
         log.info("trainer done at version %d", self.version)
 
     async def _train(self) -> None:
+        """Step, then commit the step in the background while the next one computes (the commit is mostly I/O);
+        commits run one at a time, in version order."""
         cycle_started = time.perf_counter()
         while self.version < self.config.trainer.max_steps:
             waited = time.perf_counter()
             self.stale_wait_s = 0.0
             groups = await self._next_groups()
             started = time.perf_counter()
-            self.training = {g.group_id: g for g in groups}
+            self.training |= {g.group_id: g for g in groups}
             stats = await asyncio.to_thread(self._step, groups)
             self.version += 1
-            # ledger first: a group is trained exactly once even if we die before the publish below
-            await self.ledger.record({g.group_id: Outcome(self.version, "trained", len(g.samples)) for g in groups},
-                                     keep_groups=self.config.redis.ledger_keep_groups)
-            await self.bus.ack(STREAM, GROUP, *(i for g in groups for i in g.entry_ids))
-            self.training = {}
+            stepped = time.perf_counter()
+            staged = await asyncio.to_thread(self._stage, {g.group_id: len(g.samples) for g in groups},
+                                             [i for g in groups for i in g.entry_ids])
+            staged_at = time.perf_counter()
+            await self._last_commit()
             now = time.perf_counter()
-            # a cycle runs from one step's metrics to the next: waiting for groups, the step, ledger, publish
-            stats |= {"step_time_s": now - started, "trainer_wait_s": started - waited,
+            self.publish_s = now - stepped
+            # a cycle runs from one step's start to the next: waiting for groups, the step, staging its commit
+            stats |= {"step_time_s": stepped - started, "stage_s": staged_at - stepped,
+                      "commit_wait_s": now - staged_at, "trainer_wait_s": started - waited,
                       "trainer_idle_frac": (started - waited) / (now - cycle_started),
                       "stale_wait_s": self.stale_wait_s}
             cycle_started = now
+            self.commit_task = asyncio.create_task(self._commit(self.version, staged, groups, stats))
+        await self._last_commit()
+
+    async def _last_commit(self) -> None:
+        if self.commit_task is not None:
+            await self.commit_task
+            self.commit_task = None
+
+    async def _commit(self, version: int, staged: Path, groups: list[PendingGroup], stats: dict[str, float]) -> None:
+        """Make the step that made `version` survive, in the order a crash anywhere can be finished from: the trainer
+        state first (the commit point), then the step's record, the ledger and the acks (a restarted trainer redoes
+        these from the state: each is idempotent), then its metrics and weights."""
+        try:
+            await self._save_state(version, staged / "state")
+            await self._record_step(version, {g.group_id: len(g.samples) for g in groups},
+                                    [i for g in groups for i in g.entry_ids])
+            for group in groups:
+                del self.training[group.group_id]
+            await self.store.retain_checkpoints(self.config.store.keep_checkpoints,
+                                                self.config.trainer.checkpoint_every)
             # metrics before the weights event: the controller stops at the last version, its row already read
-            await self._emit(stats)
-            published = time.perf_counter()
-            await self._publish()
-            self.publish_s = time.perf_counter() - published
-            if self.version % self.config.trainer.checkpoint_every == 0:
-                await self._checkpoint()
+            await self._emit(version, stats)
+            await self._publish(version, staged / "weights")
+        finally:
+            await asyncio.to_thread(shutil.rmtree, staged, True)
+
+    async def _record_step(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> None:
+        await self.store.record_step(StepRecord(version=version, groups=groups, created_at=time.time()))
+        await self.ledger.record({g: Outcome(version, "trained", n) for g, n in groups.items()},
+                                 keep_groups=self.config.redis.ledger_keep_groups)
+        await self.bus.ack(STREAM, GROUP, *entry_ids)
 
     async def _next_groups(self) -> list[PendingGroup]:
         """B complete groups, oldest v_adm first; waits while an in-flight group that must join this step is not
@@ -136,14 +176,18 @@ class Trainer:
         return groups
 
     async def _next_ingest(self) -> None:
-        """Wait for the next read of the scored stream; a failure of the reader surfaces here."""
+        """Wait for the next read of the scored stream; a failure of the reader or of the commit in the background
+        surfaces here."""
         assert self.ingest_task is not None
         self.ingested.clear()
         waiter = asyncio.ensure_future(self.ingested.wait())
-        await asyncio.wait({waiter, self.ingest_task}, return_when=asyncio.FIRST_COMPLETED)
+        watched = {waiter, self.ingest_task, *([self.commit_task] if self.commit_task else [])}
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         if self.ingest_task.done():
             self.ingest_task.result()
+        if self.commit_task is not None and self.commit_task.done():
+            await self._last_commit()
 
     async def _ingest_while_training(self) -> None:
         while self.is_training:
@@ -156,8 +200,12 @@ class Trainer:
             held = [*self.buffer.groups.values(), *self.training.values()]
             await self.bus.keep_claimed(STREAM, GROUP, self.consumer, [i for g in held for i in g.entry_ids])
             self.claims_kept_at = time.monotonic()
-        deliveries = await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500,
-                                            check=self.is_scored)
+        if self.has_taken_over:
+            deliveries = await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500,
+                                                check=self.is_scored)
+        else:  # the trainer is the group's only consumer: what is pending is an earlier life's, so ours now
+            deliveries = await self.bus.take_over(STREAM, GROUP, self.consumer, check=self.is_scored)
+            self.has_taken_over = True
         if not deliveries:
             return
         done = await self.ledger.recorded({d.event.trajectory.group_id for d in deliveries}) | set(self.training)
@@ -298,16 +346,36 @@ class Trainer:
             stats[f"accuracy/{task}"] = sum(batch.is_correct[i] for i in rows) / len(rows)
         return stats
 
-    async def _publish(self) -> None:
+    def _stage(self, groups: dict[str, int], entry_ids: list[str]) -> Path:
+        """Write the commit of `self.version` to a local staging dir (the CPU part, before the weights change again):
+        `state/`, the trainer state with the step's groups, and `weights/`, the version as rollout computes with it."""
+        staged = Path(tempfile.mkdtemp(prefix="jetroll-commit-"))
+        state_dir = staged / "state"
+        save_pretrained(self.model, self.tokenizer, state_dir)
+        tensors = {}
+        for name, param in self.model.named_parameters():
+            state = self.optimizer.state.get(param, {})
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                if key in state:
+                    tensors[f"{name}::{key}"] = state[key].detach().reshape(-1).clone()
+        tensors["rng::torch"] = torch.get_rng_state()
+        save_file(tensors, str(state_dir / "optimizer.safetensors"))
+        trainer_state = TrainerState(version=self.version, groups=groups, entry_ids=entry_ids)
+        (state_dir / STATE_FILE).write_bytes(msgspec.json.encode(trainer_state))
+        # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
+        save_pretrained(self.model, self.tokenizer, staged / "weights", publish=self.config.precision.numerics())
+        return staged
+
+    async def _save_state(self, version: int, state_dir: Path) -> None:
+        """The trainer state of `version`, durable in the store before anything names the version."""
+        await self.store.save_checkpoint(version, state_dir)
+
+    async def _publish(self, version: int, weights_dir: Path) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""
-        with tempfile.TemporaryDirectory(prefix="jetroll-publish-") as staging:
-            # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
-            save_pretrained(self.model, self.tokenizer, staging, publish=self.config.precision.numerics())
-            is_ckpt = self.version % self.config.trainer.checkpoint_every == 0
-            manifest = await self.store.publish(
-                self.version, self.version, Path(staging), precision_id=self.config.precision.precision_id,
-                dtype=published_dtype(self.config.precision.numerics()),
-                parent=self.version - 1 if self.version else None, is_checkpoint=is_ckpt)
+        manifest = await self.store.publish(
+            version, version, weights_dir, precision_id=self.config.precision.precision_id,
+            dtype=published_dtype(self.config.precision.numerics()), parent=version - 1 if version else None,
+            is_checkpoint=version % self.config.trainer.checkpoint_every == 0)
         await self._announce(manifest)
         await self.store.retain(self.config.store.keep_last)
 
@@ -319,43 +387,45 @@ class Trainer:
             maxlen=WEIGHTS_KEPT)
 
     async def _resume_or_publish_base(self) -> None:
-        """Fresh: publish v0 and checkpoint it. Resumed: restore the last checkpoint and move on from the
-        newest version any earlier life reached (store or ledger), so versions never go back."""
+        """Fresh: save the state of v0 and publish it. Resumed: load the newest trainer state that verifies, finish
+        its step's commit, and publish its version unless the store holds it; a trainer never resumes behind a
+        version it published, so each version names one set of weights."""
         checkpoint = await self.store.latest_checkpoint()
         latest = await self.store.latest()
         if checkpoint is None:
             if latest is not None:
-                raise RuntimeError(f"store holds version {latest} but no checkpoint; use a fresh run dir")
-            await self._publish()
-            await self._checkpoint()
+                raise RuntimeError(f"store holds version {latest} but no trainer state; use a fresh run dir")
+            staged = await asyncio.to_thread(self._stage, {}, [])
+            try:
+                await self._save_state(0, staged / "state")
+                await self._publish(0, staged / "weights")
+            finally:
+                shutil.rmtree(staged, ignore_errors=True)
             return
         step, directory = checkpoint
-        self._load_checkpoint(directory)
-        self.version = max(step, latest or 0, (await self.ledger.totals()).max_step)
+        state = self._load_checkpoint(directory)
+        if latest is not None and latest > step:
+            raise RuntimeError(f"the store's LATEST is version {latest}, but its newest trainer state that verifies "
+                               f"is step {step}: the state behind versions {step + 1}..{latest} is lost, so this "
+                               "job cannot go on exactly once; start it again in a fresh run dir")
+        self.version = step
+        if step:
+            await self._record_step(step, state.groups, state.entry_ids)
         log.info("resumed from checkpoint step %d at version %d", step, self.version)
-        if latest is not None and latest >= self.version:
+        if latest == step:
             await self._announce(await self.store.manifest(latest))  # the last life may have died before this
-        else:
-            await self._publish()
+            return
+        staged = await asyncio.to_thread(self._stage, state.groups, state.entry_ids)
+        try:
+            await self._publish(step, staged / "weights")
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
 
-    async def _checkpoint(self) -> None:
-        with tempfile.TemporaryDirectory(prefix="jetroll-ckpt-") as staging:
-            save_pretrained(self.model, self.tokenizer, staging)
-            tensors = {}
-            for name, param in self.model.named_parameters():
-                state = self.optimizer.state.get(param, {})
-                for key in ("exp_avg", "exp_avg_sq", "step"):
-                    if key in state:
-                        tensors[f"{name}::{key}"] = state[key].detach().reshape(-1).clone()
-            tensors["rng::torch"] = torch.get_rng_state()
-            save_file(tensors, str(Path(staging) / "optimizer.safetensors"))
-            ledger = {"outcomes": {g: asdict(o) for g, o in (await self.ledger.outcomes()).items()},
-                      "totals": asdict(await self.ledger.totals())}
-            meta = {"step": self.version, "version": self.version, "ledger": ledger}
-            (Path(staging) / "trainer_state.json").write_text(json.dumps(meta))
-            await self.store.save_checkpoint(self.version, Path(staging))
-
-    def _load_checkpoint(self, directory: Path) -> None:
+    def _load_checkpoint(self, directory: Path) -> TrainerState:
+        try:
+            state = msgspec.json.decode((directory / STATE_FILE).read_bytes(), type=TrainerState)
+        except (OSError, msgspec.DecodeError) as exc:  # unknown fields too: nothing loads half-understood
+            raise RuntimeError(f"trainer state {directory / STATE_FILE}: {exc}") from None
         weights = load_file(str(directory / "model.safetensors"))
         load_state(self.model, weights)
         tensors = load_file(str(directory / "optimizer.safetensors"))
@@ -367,10 +437,11 @@ class Trainer:
                     "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].view_as(param).clone(),
                 }
         torch.set_rng_state(tensors["rng::torch"])
+        return state
 
-    async def _emit(self, stats: dict[str, float]) -> None:
+    async def _emit(self, version: int, stats: dict[str, float]) -> None:
         events = [MetricsEvent(job_id=self.config.job_id, service="trainer", name=name, value=float(value),
-                               step=self.version) for name, value in stats.items()]
+                               step=version) for name, value in stats.items()]
         events.append(MetricsEvent(job_id=self.config.job_id, service="trainer", name="step_done", value=1.0,
-                                   step=self.version))
+                                   step=version))
         await self.bus.publish_many(METRICS, events)

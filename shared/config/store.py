@@ -20,6 +20,9 @@ class StoreConfig(Strict):
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); None means AWS")
     region: str | None = Field(None, description="S3 region; None means the AWS default chain (env, ~/.aws)")
     keep_last: int = Field(3, ge=1, description="retention: versions kept besides checkpoints")
+    keep_checkpoints: int = Field(2, ge=1, description="retention: the newest trainer states kept besides every "
+                                  "trainer.checkpoint_every-th (a resumed trainer falls back past one that fails to "
+                                  "verify)")
     poll_interval_s: float = Field(
         5.0, gt=0, description="rollout workers also poll LATEST this often, in case a weights event is missed"
     )

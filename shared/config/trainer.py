@@ -40,7 +40,9 @@ class TrainerConfig(Strict):
                                 "onto a wrong answer before its reward signal arrives; 0 disables")
     task_quotas: bool = Field(True, description="each task gets its weight share of every step's groups and of the "
                               "admission window; a share a task leaves unused goes to the others' oldest groups")
-    checkpoint_every: int = Field(20, ge=1, description="write a resumable checkpoint every K steps")
+    checkpoint_every: int = Field(20, ge=1, description="the trainer state is durable after every step, and only the "
+                                  "newest store.keep_checkpoints of those are kept; every K-th step's state (and its "
+                                  "published version) is also kept past retention, for evaluation and export")
     threads: int = Field(1, ge=1, description="torch threads for the trainer")
     engine: Literal["real", "timing"] = Field("real", description="real: forward/backward and an optimizer step; "
                                               "timing: a sleep instead (weights unchanged), keeping the ledger, acks, "

@@ -2,7 +2,8 @@
 
 Two backends share one layout, a local directory (local.py) and S3 (s3.py, any S3-compatible server, through
 aioboto3): `{root}/{job_id}/weights/v{version:08d}/`, `{root}/{job_id}/weights/LATEST`,
-`{root}/{job_id}/checkpoints/step{N}/`.
+`{root}/{job_id}/checkpoints/step{N}/` (the trainer's state after step N), and
+`{root}/{job_id}/steps/v{N}/manifest.json` (what step N trained: an append-only record, never retained away).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ class CheckpointManifest(msgspec.Struct, frozen=True):
 
     step: int
     shards: list[Shard]
+    created_at: float
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    """What one surviving trainer step trained: the groups (id -> samples) that made `version`. Written once per
+    version, after the trainer state of that version is durable; the audit counts a group trained twice from these."""
+
+    version: int
+    groups: dict[str, int]
     created_at: float
 
 
@@ -198,6 +208,47 @@ class WeightStore(ABC):
                                           created_at=time.time())
             if not await self._put_create_only(io, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
                 raise WeightStoreError(f"checkpoint for step {step} was saved concurrently ({self._where(prefix)})")
+
+    async def checkpoints(self) -> list[int]:
+        """Steps with a saved checkpoint (those with a manifest), ascending."""
+        async with self._connect() as io:
+            return await self._numbered(io, "checkpoints", "step")
+
+    async def retain_checkpoints(self, keep_last: int, keep_every: int) -> list[int]:
+        """Delete every checkpoint but the newest `keep_last` and the multiples of `keep_every`; returns the steps
+        deleted."""
+        if keep_last < 1 or keep_every < 1:
+            raise ValueError(f"keep_last and keep_every must be >= 1, got {keep_last} and {keep_every}")
+        async with self._connect() as io:
+            steps = await self._numbered(io, "checkpoints", "step")
+            deleted = [step for step in steps[:-keep_last] if step % keep_every]
+            for step in deleted:
+                await self._delete(io, f"checkpoints/{step_name(step)}")
+        return deleted
+
+    async def record_step(self, record: StepRecord) -> None:
+        """Append what step `record.version` trained, create-only: a retried write of the same groups wins, another
+        set of groups under that version is refused."""
+        key = f"steps/{version_name(record.version)}/{MANIFEST}"
+        async with self._connect() as io:
+            if await self._put_create_only(io, key, msgspec.json.encode(record)):
+                return
+            stored = msgspec.json.decode(await self._read(io, key) or b"{}", type=StepRecord)
+            if stored.groups != record.groups:
+                raise WeightStoreError(f"step {record.version} is recorded with other groups ({self._where(key)})")
+
+    async def step_records(self, after: int = -1) -> list[StepRecord]:
+        """The step records of versions above `after`, ascending."""
+        async with self._connect() as io:
+            records = []
+            for version in await self._numbered(io, "steps", "v"):
+                if version > after:
+                    key = f"steps/{version_name(version)}/{MANIFEST}"
+                    try:
+                        records.append(msgspec.json.decode(await self._read(io, key) or b"", type=StepRecord))
+                    except msgspec.DecodeError as exc:
+                        raise WeightStoreError(f"bad step record {self._where(key)}: {exc}") from None
+            return records
 
     async def latest_checkpoint(self) -> tuple[int, Path] | None:
         """(step, dir) of the newest checkpoint that verifies, or None."""

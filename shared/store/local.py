@@ -63,6 +63,7 @@ class LocalWeightStore(WeightStore):
 
     async def _put_create_only(self, io: Any, key: str, data: bytes) -> bool:
         path = self.job_dir / key
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             await asyncio.to_thread(write_create_only, path, data)
             return True

@@ -76,8 +76,8 @@ def test_trainer_acks_a_redelivered_copy_of_a_folded_group(model_dir: Path, redi
         try:
             await bus.publish_many("traj:scored", [scored(job, g, i, 0, [0, 0]) for g in (g1, g2) for i in range(2)])
 
-            async def is_at_v2() -> bool:
-                return trainer.version >= 2
+            async def is_at_v2() -> bool:  # step 2 committed: its commit runs beside the next step
+                return bool(await trainer.ledger.recorded({g2}))
 
             await until(is_at_v2, task, "step 2")
             assert await trainer.ledger.outcomes() == {g2: Outcome(2, "trained", 2)}

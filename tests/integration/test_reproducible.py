@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 # metrics.jsonl columns that measure wall time, or that sample another service's running counter at the moment the
 # controller writes the row (the rollout's trajectory count): everything else must repeat exactly
 TIMING_COLUMNS = frozenset({
-    "time_s", "step_time_s", "trainer_wait_s", "trainer_idle_frac", "stale_wait_s",
+    "time_s", "step_time_s", "stage_s", "commit_wait_s", "trainer_wait_s", "trainer_idle_frac", "stale_wait_s",
     "rollout_busy_slot_s", "rollout_slot_s", "rollout_idle_frac", "rollout_tokens_per_s",
     "pool/default/tokens_per_s", "pool/default/num_trajectories",
 })

@@ -137,7 +137,8 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
             async def publish_once_at(version: int, events: list[ScoredEvent]) -> None:
                 """As rollout would: a token of version v exists only once the trainer has published v."""
                 async def reached() -> bool:
-                    return trainer.version >= version
+                    latest = await trainer.store.latest()
+                    return latest is not None and latest >= version
 
                 await until(reached, task, f"v{version}")
                 await bus.publish_many("traj:scored", events)

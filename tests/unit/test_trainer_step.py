@@ -53,15 +53,16 @@ def model_dir() -> Iterator[Path]:
         yield Path(tmp)
 
 
-def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, **sections: dict[str, Any]) -> Trainer:
+def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, job_id: str | None = None,
+                 **sections: dict[str, Any]) -> Trainer:
     """A real Trainer on the tiny model; the step under test never touches its bus or store."""
-    tree: dict[str, Any] = {"job_id": f"t{uuid.uuid4().hex[:8]}", "trainer": {"group_size": 4},
+    tree: dict[str, Any] = {"job_id": job_id or f"t{uuid.uuid4().hex[:8]}", "trainer": {"group_size": 4},
                             "model": {**TINY.model_dump(), "path": str(model_dir)},
                             "store": {"root": str(run_dir / "store")}}
     for name, fields in sections.items():
         tree[name] = {**tree.get(name, {}), **fields}
     config = validate_config(tree)
-    bus = RedisBus(redis_url, config.job_id)
+    bus = RedisBus(redis_url, config.job_id, claim_idle_ms=config.redis.claim_idle_ms)
     return Trainer(config, bus, setup_store(config.store, config.job_id, run_dir), "trainer")
 
 
