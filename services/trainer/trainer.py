@@ -119,8 +119,8 @@ class Trainer:
             stats = await asyncio.to_thread(self._step, groups)
             self.version += 1
             stepped = time.perf_counter()
-            staged = await asyncio.to_thread(self._stage, {g.group_id: len(g.samples) for g in groups},
-                                             [i for g in groups for i in g.entry_ids])
+            trained, entry_ids = {g.group_id: len(g.samples) for g in groups}, [i for g in groups for i in g.entry_ids]
+            staged = await asyncio.to_thread(self._stage, trained, entry_ids)
             staged_at = time.perf_counter()
             await self._last_commit()
             now = time.perf_counter()
@@ -131,7 +131,7 @@ class Trainer:
                       "trainer_idle_frac": (started - waited) / (now - cycle_started),
                       "stale_wait_s": self.stale_wait_s}
             cycle_started = now
-            self.commit_task = asyncio.create_task(self._commit(self.version, staged, groups, stats))
+            self.commit_task = asyncio.create_task(self._commit(self.version, staged, trained, entry_ids, stats))
         await self._last_commit()
 
     async def _last_commit(self) -> None:
@@ -139,16 +139,16 @@ class Trainer:
             await self.commit_task
             self.commit_task = None
 
-    async def _commit(self, version: int, staged: Path, groups: list[PendingGroup], stats: dict[str, float]) -> None:
+    async def _commit(self, version: int, staged: Path, trained: dict[str, int], entry_ids: list[str],
+                      stats: dict[str, float]) -> None:
         """Make the step that made `version` survive, in the order a crash anywhere can be finished from: the trainer
         state first (the commit point), then the step's record, the ledger and the acks (a restarted trainer redoes
         these from the state: each is idempotent), then its metrics and weights."""
         try:
-            await self._save_state(version, staged / "state")
-            await self._record_step(version, {g.group_id: len(g.samples) for g in groups},
-                                    [i for g in groups for i in g.entry_ids])
-            for group in groups:
-                del self.training[group.group_id]
+            await self.store.save_checkpoint(version, staged / "state")
+            await self._record_step(version, trained, entry_ids)
+            for group_id in trained:
+                del self.training[group_id]
             await self.store.retain_checkpoints(self.config.store.keep_checkpoints,
                                                 self.config.trainer.checkpoint_every)
             # metrics before the weights event: the controller stops at the last version, its row already read
@@ -366,10 +366,6 @@ class Trainer:
         save_pretrained(self.model, self.tokenizer, staged / "weights", publish=self.config.precision.numerics())
         return staged
 
-    async def _save_state(self, version: int, state_dir: Path) -> None:
-        """The trainer state of `version`, durable in the store before anything names the version."""
-        await self.store.save_checkpoint(version, state_dir)
-
     async def _publish(self, version: int, weights_dir: Path) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""
         manifest = await self.store.publish(
@@ -397,7 +393,7 @@ class Trainer:
                 raise RuntimeError(f"store holds version {latest} but no trainer state; use a fresh run dir")
             staged = await asyncio.to_thread(self._stage, {}, [])
             try:
-                await self._save_state(0, staged / "state")
+                await self.store.save_checkpoint(0, staged / "state")
                 await self._publish(0, staged / "weights")
             finally:
                 shutil.rmtree(staged, ignore_errors=True)

@@ -76,7 +76,7 @@ class LedgerTotals:
     num_groups: dict[str, int]  # status -> groups
     num_samples: dict[str, int]  # status -> their trajectories
     prefix: int  # every group with an admission index below it is recorded
-    max_step: int  # the highest step recorded: a resumed trainer never goes below it
+    max_step: int  # the highest step recorded
 
     @property
     def num_samples_recorded(self) -> int:

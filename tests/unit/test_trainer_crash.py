@@ -28,7 +28,7 @@ SECTIONS: dict[str, Any] = {"trainer": {"groups_per_step": 2, "group_size": 4, "
                             # a new life takes the dead one's entries over at once, not after an idle time
                             "redis": {"claim_idle_ms": 3_600_000}}
 # (object, attribute) of the call right after which the first life dies: from inside the step to before the announce
-CRASH_POINTS = [("trainer", "_step"), ("trainer", "_save_state"), ("store", "record_step"), ("ledger", "record"),
+CRASH_POINTS = [("trainer", "_step"), ("store", "save_checkpoint"), ("store", "record_step"), ("ledger", "record"),
                 ("bus", "ack"), ("store", "publish")]
 
 
