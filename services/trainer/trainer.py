@@ -27,7 +27,7 @@ from jetroll.shared.protocol.validate import EventLimits, check_scored, expectin
 from jetroll.shared.rl.admission import task_quotas
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, TokenBatch, collate
 from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
-from jetroll.shared.rl.mismatch import mismatch_stats
+from jetroll.shared.rl.mismatch import mismatch_stats, one_version_tokens
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.rl.staleness import fresh_tokens, staleness_stats
 from jetroll.shared.store.base import Manifest, StepRecord, WeightStore
@@ -326,7 +326,8 @@ class Trainer:
 
     def _staleness_stats(self, batch: TokenBatch, prox_logp: torch.Tensor) -> dict[str, float]:
         mask = batch.loss_mask > 0
-        same_version = mask & (batch.v_tok == self.version)
+        same_version = one_version_tokens(mask, batch.v_tok, self.version,
+                                          kept_kv=not self.config.rollout.recompute_kv_on_swap)
         delta = (prox_logp - batch.behavior_logp).abs()[same_version]
         return mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap) | {
             "mismatch_abs_sum": float(delta.sum()),

@@ -69,7 +69,8 @@ class RolloutConfig(Strict):
     max_seq_len: int = Field(1024, ge=16, description="KV-cache length per slot (prompt + completion)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (mu is log-softmax(logits / T))")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; mu stays the untruncated log-prob")
-    recompute_kv_on_swap: bool = Field(True, description="recompute in-flight KV caches after a weight swap")
+    recompute_kv_on_swap: bool = Field(
+        True, description="recompute in-flight KV caches after a weight swap; off keeps them (mixed-version keys)")
     compile: bool = Field(True, description="torch.compile the decode step (tens of seconds once per worker)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
     env_timeout_s: float = Field(10.0, gt=0, description="multi-turn tasks: limit on each environment reset or "

@@ -28,6 +28,16 @@ def _token_stats(delta: torch.Tensor, tis_cap: float) -> dict[str, float]:
     }
 
 
+def one_version_tokens(mask: torch.Tensor, v_tok: torch.Tensor, version: int, kept_kv: bool) -> torch.Tensor:
+    """The tokens of `mask` whose log-prob rollout computed entirely at `version`: sampled at it and, when rollout kept
+    its KV caches across swaps, with every earlier position of the completion computed at it too."""
+    same = mask & (v_tok == version)
+    if kept_kv:
+        completion = mask.cumsum(1) > 0  # from the first policy token on; prompt keys come from that token's forward
+        same &= (completion & (v_tok != version)).cumsum(1) == 0
+    return same
+
+
 def mismatch_stats(
     trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, tis_cap: float = 2.0,
     prefix: str = "mismatch/",

@@ -222,14 +222,17 @@ def test_bound_holds_end_to_end(model_dir: Path, redis_url: str, tmp_path: Path)
     assert sum(r["stale_wait_s"] for r in rows.values()) > 0  # and the trainer waited for it
 
 
+@pytest.mark.parametrize("recompute_kv", [True, False], ids=["recompute", "kept-kv"])
 def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
-    model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recompute_kv: bool
 ) -> None:
-    """The real rollout worker on a real Redis and store: v1 is published while a group decodes. Every token's
-    behaviour log-prob must be a full forward of the weights its v_tok names: the old ones before the swap, the
-    new ones (KV cache recomputed) after it."""
+    """The real rollout worker on a real Redis and store: v1 is published while a group decodes. With
+    `rollout.recompute_kv_on_swap`, every token's behaviour log-prob must be a full forward of the weights its v_tok
+    names: the old ones before the swap, the new ones (KV cache recomputed) after it. Without it, an interrupted
+    sequence's v1 tokens were computed over v0's keys: no longer a full forward of v1."""
     # count32: a task whose sample budget (159 tokens) admits the long group below
-    config = job_config(model_dir, tmp_path, rollout={"max_batch": 8, "max_seq_len": 160, "compile": False},
+    config = job_config(model_dir, tmp_path, rollout={"max_batch": 8, "max_seq_len": 160, "compile": False,
+                                                      "recompute_kv_on_swap": recompute_kv},
                         trainer={"group_size": 8}, tasks=[{"name": "count32"}])
     job = config.job_id
     new_dir = tmp_path / "v1-src"
@@ -281,20 +284,26 @@ def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
 
     trajectories = asyncio.run(scenario())
     models = {0: load_pretrained(model_dir)[0], 1: load_pretrained(new_dir)[0]}
-    num_interrupted, new_vs_old = 0, []
+    num_interrupted, new_vs_old, kept_vs_full = 0, [], []
     for traj in trajectories:
         v_tok = traj.v_tok.numpy().tolist()
         num_old = v_tok.count(0)
         assert v_tok == [0] * num_old + [1] * (len(v_tok) - num_old)
-        num_interrupted += 0 < num_old < len(v_tok)
+        is_interrupted = 0 < num_old < len(v_tok)
+        num_interrupted += is_interrupted
         prompt, completion = traj.prompt_ids.numpy().tolist(), traj.completion_ids.numpy().tolist()
         ids = torch.tensor([prompt + completion])
         with torch.no_grad():
             full = {v: torch.log_softmax(m(ids)[0, len(prompt) - 1:-1].float(), -1) for v, m in models.items()}
         mu = torch.from_numpy(traj.behavior_logprobs.numpy().copy())
         for t, (token, version) in enumerate(zip(completion, v_tok, strict=True)):
-            assert mu[t].item() == pytest.approx(full[version][t, token].item(), abs=1e-4), (traj.traj_id, t)
             if version == 1:
                 new_vs_old.append(abs(full[0][t, token].item() - full[1][t, token].item()))
+            if is_interrupted and version == 1 and not recompute_kv:
+                kept_vs_full.append(abs(mu[t].item() - full[1][t, token].item()))
+                continue
+            assert mu[t].item() == pytest.approx(full[version][t, token].item(), abs=1e-4), (traj.traj_id, t)
     assert num_interrupted >= 1
     assert sum(new_vs_old) / len(new_vs_old) > 0.1  # the check tells the two versions apart
+    if not recompute_kv:  # the kept keys change what v1 computed
+        assert sum(kept_vs_full) / len(kept_vs_full) > 0.05, kept_vs_full

@@ -9,7 +9,7 @@ import torch
 
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.rl.loss import behavior_correction
-from jetroll.shared.rl.mismatch import mismatch_stats
+from jetroll.shared.rl.mismatch import mismatch_stats, one_version_tokens
 
 
 def test_mismatch_stats_on_known_deltas() -> None:
@@ -43,6 +43,20 @@ def test_no_tokens_no_stats_and_equal_logprobs_are_zero() -> None:
     stats = mismatch_stats(logp, logp.clone(), torch.ones(3, 40, dtype=torch.bool))
     assert stats["mismatch/abs_max"] == 0 and stats["mismatch/k3"] == 0 and stats["mismatch/exp_abs_mean"] == 1
     assert stats["mismatch/tokens@0-127"] == 120
+
+
+def test_one_version_tokens_with_kept_kv_need_the_whole_completion_at_the_version() -> None:
+    # row 0: prompt (mask 0), then tokens at versions 4 4 5 5; row 1: 5 5, an observation at 5 (mask 0), then 5
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 0, 1]]).bool()
+    v_tok = torch.tensor([[0, 4, 4, 5, 5], [0, 5, 5, 5, 5]])
+    recomputed = one_version_tokens(mask, v_tok, 5, kept_kv=False)
+    kept = one_version_tokens(mask, v_tok, 5, kept_kv=True)
+    assert recomputed.tolist() == [[False, False, False, True, True], [False, True, True, False, True]]
+    # row 0's version-5 tokens were computed over keys version 4 wrote: not version 5's log-probs
+    assert kept.tolist() == [[False] * 5, [False, True, True, False, True]]
+    # an observation written at an older version taints every token after it
+    v_tok[1, 3] = 4
+    assert one_version_tokens(mask, v_tok, 5, kept_kv=True).tolist()[1] == [False, True, True, False, False]
 
 
 def test_behavior_corrections() -> None:
