@@ -63,3 +63,11 @@ def any_redis_url(request: pytest.FixtureRequest, redis_servers: _RedisServers) 
     if request.param not in REDIS_BINARIES:
         pytest.fail("integration tests need a Redis server: no redis-server binary found")
     return redis_servers.url(REDIS_BINARIES[request.param])
+
+
+@pytest.fixture(params=sorted(REDIS_BINARIES) or ["none"])
+def redis_binary(request: pytest.FixtureRequest) -> str:
+    """The path of each available redis-server binary (6.2 and 7.x), for tests that start their own."""
+    if request.param not in REDIS_BINARIES:
+        pytest.fail("integration tests need a Redis server: no redis-server binary found")
+    return REDIS_BINARIES[request.param]

@@ -1,4 +1,4 @@
-"""The local launcher: a private redis-server and every service as a supervised child process."""
+"""The local launcher: a private redis-server and every service as supervised child processes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
+from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.services.reward.celery_worker import start_worker_process
 from jetroll.shared.config.job import JobConfig, validate_config
@@ -22,7 +23,7 @@ POLL_S = 0.5
 @dataclass(slots=True)
 class Service:
     lives: Lives  # its name is also the base of the consumer name
-    kind: str  # controller | rollout | reward | trainer | celery (a reward worker)
+    kind: str  # controller | rollout | reward | trainer | celery (a reward worker) | redis (the job's own server)
     pool: str | None = None  # rollout: the pool it serves
     process: subprocess.Popen | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
@@ -33,11 +34,13 @@ class Service:
 
 
 class Launcher:
-    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str, is_console: bool = True) -> None:
+    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str, is_console: bool = True,
+                 redis_server: RedisServer | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
         self.is_console = is_console  # False: the controller's progress goes to its log too (benchmarks)
         self.redis_url = redis_url
+        self.redis_server = redis_server  # the job's own server, restarted like a service when it dies
         self.config_path = run_dir / "config.json"
         self.config_path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
         (run_dir / "logs").mkdir(exist_ok=True)
@@ -50,6 +53,8 @@ class Launcher:
                          service("controller", "controller")]
         if needs_celery_worker(config.reward, [task.name for task in config.tasks]):
             self.services.insert(0, service("celery-worker", "celery"))
+        if redis_server is not None:
+            self.services.insert(0, service("redis", "redis"))
 
     def start(self, service: Service, consumer: str) -> None:
         if service.log is None:
@@ -101,12 +106,24 @@ class Launcher:
                                may_finish=service.kind in ("controller", "trainer"))
 
     async def _life(self, service: Service, consumer: str) -> int:
+        if service.kind == "redis":
+            return await self._redis_life()
         self.start(service, consumer)
         assert service.process is not None
         while (code := service.process.poll()) is None:
             await asyncio.sleep(POLL_S)
         if service.kind == "celery":  # its pool children outlive the main process
             stop_processes([service.process], groups=True)
+        return code
+
+    async def _redis_life(self) -> int:
+        """The first life is the server `run_job` started; each later one restarts it from its append-only file."""
+        server = self.redis_server
+        assert server is not None
+        if not server.is_running:
+            await asyncio.to_thread(server.restart)
+        while (code := server.returncode) is None:
+            await asyncio.sleep(POLL_S)
         return code
 
     def stop(self) -> None:
@@ -133,9 +150,8 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
 
 
 def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:
-    """`jetroll run`: build/find the base model, start Redis unless given, run the services to the end."""
-    from jetroll.services.launch.redis_server import RedisServer
-
+    """`jetroll run`: build/find the base model, start Redis unless given (persisting under `<run-dir>/redis`), run
+    the services to the end."""
     run_dir = (run_dir or Path("runs") / config.job_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config = resolve_config(config, run_dir)
@@ -143,9 +159,9 @@ def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | Non
     server = None
     redis_url = redis_url or config.redis.url
     if redis_url is None:
-        server = RedisServer().start()
+        server = RedisServer(data_dir=run_dir / "redis").start()
         redis_url = server.url
-    launcher = Launcher(config, run_dir, redis_url)
+    launcher = Launcher(config, run_dir, redis_url, redis_server=server)
     print(f"jetroll: job {config.job_id} in {run_dir} (redis {redis_url}, pid {os.getpid()})", file=sys.stderr)
     try:
         code = launcher.supervise()

@@ -1,4 +1,5 @@
-"""A private redis-server for the local launcher and the tests: 127.0.0.1 only, no persistence."""
+"""A private redis-server for the local launcher and the tests: 127.0.0.1 only. A job's server keeps an append-only
+file under `<run-dir>/redis` (fsync every second), so the launcher can restart it on its port with its data."""
 
 from __future__ import annotations
 
@@ -49,10 +50,14 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server subprocess on a free 127.0.0.1 port; use as a context manager or start()/stop()."""
+    """A redis-server subprocess on a free 127.0.0.1 port; use as a context manager or start()/stop(). With
+    `data_dir`, it persists there (AOF, `appendfsync everysec`) and `restart` brings a dead one back from it; without,
+    nothing persists and its temp dir goes at stop."""
 
-    def __init__(self, binary: str | None = None, *, start_timeout_s: float = 10.0) -> None:
+    def __init__(self, binary: str | None = None, *, data_dir: Path | None = None,
+                 start_timeout_s: float = 10.0) -> None:
         self.binary = binary or find_redis_server()
+        self.data_dir = data_dir
         self.start_timeout_s = start_timeout_s
         self.port: int | None = None
         self.version: str | None = None
@@ -69,29 +74,49 @@ class RedisServer:
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit code of a server that died (None while it runs)."""
+        assert self._proc is not None, "RedisServer is not started"
+        return self._proc.poll()
+
     def start(self) -> RedisServer:
         """Start the server and wait until it answers PING; raise RuntimeError with its log if it fails."""
         assert self._proc is None, "already started"
         # Another process can grab the port between probe and bind, so retry a few times.
         for _ in range(3):
             try:
-                self._start_once()
+                self._start_once(_free_port())
                 return self
             except _PortTaken:
                 self.stop()
         raise RuntimeError(f"{self.binary}: could not bind a free port on 127.0.0.1")
 
-    def _start_once(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="jetroll-redis-")
-        self.port = _free_port()
-        log_path = Path(self._tmp.name) / "redis.log"
+    def restart(self) -> None:
+        """Start a server that died again, on the same port (its clients reconnect there), from its data dir."""
+        assert self.data_dir is not None and self.port is not None and not self.is_running
+        self._proc = None
+        try:
+            self._start_once(self.port)
+        except _PortTaken:
+            raise RuntimeError(f"{self.binary}: port {self.port} was taken while Redis was down") from None
+
+    def _start_once(self, port: int) -> None:
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            where, persistence = self.data_dir, ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="jetroll-redis-")
+            where, persistence = Path(self._tmp.name), ["--appendonly", "no"]
+        self.port = port
+        log_path = where / "redis.log"
         args = [
             self.binary,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
-            "--appendonly", "no",
-            "--dir", self._tmp.name,
+            *persistence,
+            "--dir", str(where),
             "--logfile", str(log_path),
             "--daemonize", "no",
         ]  # fmt: skip
@@ -115,7 +140,7 @@ class RedisServer:
             time.sleep(0.02)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Terminate the server (kill if it does not exit in time) and remove its temp dir."""
+        """Terminate the server (kill if it does not exit in time) and remove its temp dir (a data dir stays)."""
         proc, self._proc = self._proc, None
         if proc is not None:
             stop_processes([proc], timeout_s)

@@ -11,6 +11,8 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from jetroll.shared.protocol.events import AnyEvent, Event, EventDecodeError, decode, encode
 from jetroll.shared.protocol.topology import DLQ, DLQ_KEPT, job_key
@@ -54,9 +56,15 @@ def stream_entries(response: Any) -> list[tuple[Any, Any]]:
     return response[0][1]
 
 
+# a command that loses its connection is retried for about 17 s (0.05 s doubling to 1 s, 20 times): long enough
+# for a restarted Redis to come back on its port; a re-sent write may apply twice, which every consumer dedups
+RECONNECT_RETRIES, RECONNECT_BASE_S, RECONNECT_CAP_S = 20, 0.05, 1.0
+
+
 def connect(url: str) -> aioredis.Redis:
     """A client of jetroll's Redis; RESP2 pinned, so reply shapes are the same on every server version."""
-    return aioredis.Redis.from_url(url, protocol=2)
+    retry = Retry(ExponentialBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), RECONNECT_RETRIES)
+    return aioredis.Redis.from_url(url, protocol=2, retry=retry)
 
 
 class RedisUnreachable(Exception):

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import uuid
@@ -21,6 +22,7 @@ import pytest
 import redis
 from helpers import JETROLL, T, wait_until
 
+from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config
 from jetroll.shared.config.launch import RedisConfig
@@ -94,14 +96,14 @@ def service_logs(run_dir: Path) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
 
 
-def launch(workdir: Path, redis_url: str, model_path: str, *overrides: str, job_id: str | None = None,
+def launch(workdir: Path, redis_url: str | None, model_path: str, *overrides: str, job_id: str | None = None,
            run_dir: Path | None = None, ignore_sigint: bool = False) -> Job:
-    """Start `jetroll run configs/smoke.yaml` on the test Redis with the session's base model (`ignore_sigint`:
-    started as a shell starts `cmd &`, with SIGINT ignored)."""
+    """Start `jetroll run configs/smoke.yaml` on the test Redis (None: the job's own) with the session's base model
+    (`ignore_sigint`: started as a shell starts `cmd &`, with SIGINT ignored)."""
     job_id = job_id or f"t{uuid.uuid4().hex[:8]}"
     run_dir = run_dir or workdir / job_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir", str(run_dir)]
+    cmd = [*JETROLL, "run", str(SMOKE), *(["--redis-url", redis_url] if redis_url else []), "--run-dir", str(run_dir)]
     for item in (f"model.path={model_path}", f"job_id={job_id}", *overrides):
         cmd += ["--set", item]
     logs = {name: workdir / f"{job_id}-{uuid.uuid4().hex[:4]}.{name}" for name in ("stdout", "stderr")}
@@ -384,6 +386,44 @@ def test_nothing_lost_when_services_are_killed(start_job: Callable[..., Job], re
     # a ledger keeping 3 outcomes: the audit covers the groups folded into its totals
     totals = audit_ledger(redis_url, job.job_id, max_steps, groups_per_step=4, group_size=4, keep_groups=3)
     assert totals.num_dropped == 0, totals  # rewards never fail here
+
+
+def redis_server_pid(job: Job) -> int | None:
+    """The pid of the job's own redis-server, found by its port (the server rewrites its command line to
+    `redis-server 127.0.0.1:PORT`)."""
+    match = re.search(r"\(redis redis://127\.0\.0\.1:(\d+)/0", job.stderr())
+    if match is None:
+        return None
+    title = f"redis-server 127.0.0.1:{match.group(1)}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if args and args[0].endswith(title):
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_job_survives_a_restart_of_its_redis(tmp_path: Path, model_path: str) -> None:
+    """SIGKILL the job's own Redis mid-run: the launcher restarts it on its port from its append-only file, the
+    services reconnect, and the job finishes with every step's row and a whole ledger, read back from that file."""
+    max_steps = 8
+    job = launch(tmp_path, None, model_path, f"trainer.max_steps={max_steps}")
+    try:
+        job.wait_until(lambda: len(job.metrics()) >= 2, "2 steps")
+        first = job.wait_until(lambda: redis_server_pid(job), "the job's redis-server")
+        os.kill(first, signal.SIGKILL)
+        job.wait_until(lambda: "service redis died (exit -9); restart 1/3" in job.stderr(), "the restart")
+        assert job.wait() == 0, job.report()
+    finally:
+        stop(job)
+    assert job.stderr().count(" died ") == 1, job.stderr()  # the services rode the outage out: none died
+    check_summary(job, max_steps)
+    with RedisServer(data_dir=job.run_dir / "redis") as server:  # the job's Redis, from its file
+        totals = audit_ledger(server.url, job.job_id, max_steps, groups_per_step=4, group_size=4)
+    assert totals.num_dropped == 0, totals
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
