@@ -117,7 +117,10 @@ class RolloutWorker:
             newest = max((e.version for e in events if isinstance(e, WeightsPublishedEvent)), default=0)
             if time.monotonic() - polled_at >= self.config.store.poll_interval_s:
                 polled_at = time.monotonic()
-                newest = max(newest, await self.store.latest() or 0)
+                try:
+                    newest = max(newest, await self.store.latest() or 0)
+                except WeightStoreError as exc:  # the store is down: keep serving, poll again later
+                    log.warning("cannot poll LATEST, serving v%d: %s", self._current_version(), exc)
             if newest > self._current_version():
                 await self._load(newest)
 

@@ -29,6 +29,9 @@ class StoreConfig(Strict):
     multipart_threshold_mib: int = Field(
         200, ge=5, description="S3: files this big or bigger upload as parallel 16 MiB multipart parts"
     )
+    s3_max_attempts: int = Field(
+        12, ge=1, description="S3: attempts per request (botocore's standard retry mode, random waits of up to 20 s "
+        "between them): 12 ride out an outage of about a minute and more; then the operation fails")
 
     @model_validator(mode="before")
     @classmethod

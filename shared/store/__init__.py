@@ -25,5 +25,6 @@ def setup_store(config: StoreConfig, job_id: str, run_dir: Path) -> WeightStore:
             endpoint_url=config.endpoint_url,
             region=config.region,
             multipart_threshold_bytes=config.multipart_threshold_mib << 20,
+            max_attempts=config.s3_max_attempts,
         )
     raise ValueError(f"unknown store type {config.type!r}; valid: {list(STORE_TYPES)}")

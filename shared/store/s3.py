@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from jetroll.shared.store.base import (
     CHUNK_BYTES,
@@ -60,6 +60,7 @@ class S3WeightStore(WeightStore):
         part_bytes: int = 16 << 20,
         max_concurrency: int = 8,
         num_cached_versions: int = 3,
+        max_attempts: int = 12,
     ) -> None:
         assert part_bytes >= 5 << 20, "S3 parts other than the last must be at least 5 MiB"
         self.bucket = bucket
@@ -70,6 +71,7 @@ class S3WeightStore(WeightStore):
         self.part_bytes = part_bytes
         self.max_concurrency = max_concurrency
         self.num_cached_versions = num_cached_versions
+        self.max_attempts = max_attempts
         self._session = session
         self.job_prefix = "/".join(p for p in (prefix.strip("/"), job_id) if p)
         self.weights_prefix = f"{self.job_prefix}/weights"
@@ -86,7 +88,7 @@ class S3WeightStore(WeightStore):
         config = Config(
             s3={"addressing_style": "path"} if self.endpoint_url else None,  # MinIO and moto serve path-style
             max_pool_connections=self.max_concurrency,
-            retries={"mode": "standard"},
+            retries={"mode": "standard", "total_max_attempts": self.max_attempts},
             # our sha256 covers every byte end to end; botocore's default CRC32 would be one more pass per side
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
@@ -99,8 +101,14 @@ class S3WeightStore(WeightStore):
     def _where(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
 
-    def _connect(self) -> Any:
-        return self.client()
+    @contextlib.asynccontextmanager
+    async def _connect(self) -> Any:
+        """A client for one operation; an S3 failure that outlasts the retries surfaces as a WeightStoreError."""
+        try:
+            async with self.client() as s3:
+                yield s3
+        except (BotoCoreError, ClientError) as exc:
+            raise WeightStoreError(f"S3 request to {self.endpoint_url or 'AWS'} failed: {exc}") from exc
 
     async def _get_bytes(self, s3: Any, key: str) -> tuple[bytes, str] | None:
         """(body, ETag) of `key`, or None when it does not exist."""

@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlsplit
 
 import boto3
 import pytest
 import redis
 import torch
 from safetensors.torch import save_file
-from test_job import launch, service_logs, stop
+from tcp_proxy import TcpProxy
+from test_job import audit_ledger, launch, service_logs, stop
 
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.warm_start import ensure_base_model
@@ -315,3 +319,38 @@ def test_trainer_resumes_from_s3_checkpoint(
     finally:
         client.close()
     assert sorted(o["step"] for o in ledger if o["status"] == "trained") == sorted(list(range(1, 7)) * 4)
+
+
+OUTAGE_S = 30.0
+
+
+@pytest.mark.slow
+def test_a_job_rides_out_a_30_s_s3_outage(
+    s3_url: str, s3: Any, bucket: str, tmp_path: Path, redis_url: str, model_path: str
+) -> None:
+    """S3 unreachable for 30 s mid-job (a cut proxy in front of moto): the trainer's requests wait and retry, no
+    service dies, and the job ends with every step trained once and LATEST at its last version."""
+    target = urlsplit(s3_url)
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 80).start()
+    max_steps = 8
+    job = launch(tmp_path, redis_url, model_path, f"store.uri=s3://{bucket}/{PREFIX}",
+                 f"store.endpoint_url={proxy.url}", f"trainer.max_steps={max_steps}")
+    try:
+        job.wait_until(lambda: len(job.metrics()) >= 3, "3 steps")
+        proxy.cut()
+        time.sleep(OUTAGE_S)
+        proxy.restore()
+        assert job.wait() == 0, job.report()
+    finally:
+        stop(job)
+        proxy.cut()
+    assert " died " not in job.stderr(), job.stderr()
+    assert json.loads((job.run_dir / "summary.json").read_text())["steps"] == max_steps
+    assert [row["step"] for row in job.metrics()] == list(range(1, max_steps + 1))
+    totals = audit_ledger(redis_url, job.job_id, max_steps, groups_per_step=4, group_size=4)
+    assert totals.num_dropped == 0, totals
+    # training really stopped on the store: some step's commit waited out most of the outage
+    times = [row["time_s"] for row in job.metrics()]
+    assert max(b - a for a, b in itertools.pairwise(times)) > OUTAGE_S * 0.8, times
+    latest = s3.get_object(Bucket=bucket, Key=f"{PREFIX}/{job.job_id}/weights/LATEST")["Body"].read()
+    assert latest == f"{max_steps}\n".encode()
