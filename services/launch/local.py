@@ -15,6 +15,7 @@ from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.services.reward.celery_worker import start_worker_process
+from jetroll.shared.config.base import JOB_FAILED_EXIT
 from jetroll.shared.config.job import JobConfig, validate_config
 
 POLL_S = 0.5
@@ -97,6 +98,8 @@ class Launcher:
             if is_restarted:
                 print(f"jetroll: service {service.name} died (exit {code}); restart "
                       f"{lives.num_restarts}/{lives.max_restarts}", file=sys.stderr)
+            elif code == JOB_FAILED_EXIT:
+                print(f"jetroll: service {service.name} failed the job: {self._failure(service)}", file=sys.stderr)
             else:
                 print(f"jetroll: service {service.name} died (exit {code}) after {lives.num_restarts} "
                       f"restarts; see {self.run_dir / 'logs' / (service.name + '.log')}", file=sys.stderr)
@@ -104,6 +107,12 @@ class Launcher:
         # the controller and the trainer end by finishing their job; the other services serve until stopped
         return await supervise(service.lives, lambda consumer: self._life(service, consumer), on_death,
                                may_finish=service.kind in ("controller", "trainer"))
+
+    def _failure(self, service: Service) -> str:
+        """The reason a service gave for failing the job: the last `job failed:` line of its log."""
+        path = self.run_dir / "logs" / f"{service.name}.log"
+        lines = [line for line in path.read_text(errors="replace").splitlines() if "job failed: " in line]
+        return lines[-1].split("job failed: ", 1)[1] if lines else f"see {path}"
 
     async def _life(self, service: Service, consumer: str) -> int:
         if service.kind == "redis":

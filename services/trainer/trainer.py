@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import shutil
 import tempfile
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
+from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
@@ -154,6 +156,14 @@ class Trainer:
             # metrics before the weights event: the controller stops at the last version, its row already read
             await self._emit(version, stats)
             await self._publish(version, staged / "weights")
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # restarting would only fill the disk again: fail the job, resumable once there is room
+            raise JobFailedError(
+                f"the weight store ran out of space committing step {version} ({exc}); LATEST stays at the last "
+                f"version written whole. Free space and run the job again with job_id {self.config.job_id} and the "
+                "same run dir: it resumes from the last committed step") from exc
         finally:
             await asyncio.to_thread(shutil.rmtree, staged, True)
 

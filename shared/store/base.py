@@ -352,23 +352,26 @@ def retention_candidates(versions: list[int], keep_last: int, latest: int | None
 def write_create_only(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all, failing with FileExistsError if it exists (temp file + hard link)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.link(tmp, path)
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)  # a full disk must not leave temp files behind either
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
