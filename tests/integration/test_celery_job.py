@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from test_job import (  # noqa: F401 - fixture
     stop,
 )
 
+from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.protocol.events import ScoredEvent, decode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -56,3 +60,37 @@ def test_smoke_job_with_celery_rewards(tmp_path: Path, redis_url: str, model_pat
         assert not celery_worker_pids(job.job_id), "the launcher left Celery processes behind"
     finally:
         stop(job)
+
+
+def test_a_separate_broker_down_for_30_s_loses_no_reward(tmp_path: Path, redis_url: str,
+                                                          model_path: str) -> None:  # noqa: F811
+    """The Celery broker (a Redis of its own, persisting to a file) SIGKILLed mid-job and back 30 s later on its
+    port: calls wait for it and send again, so every trajectory is scored `ok` by Celery, none as an error or 0."""
+    job_id = f"t{uuid.uuid4().hex[:8]}"
+    hold_streams(redis_url, job_id, "traj:scored")
+    broker = RedisServer(data_dir=tmp_path / "broker").start()
+    max_steps = 6
+    job = launch(tmp_path, redis_url, model_path, "reward.backend=celery", f"reward.celery_broker_url={broker.url}",
+                 f"trainer.max_steps={max_steps}", job_id=job_id)
+    try:
+        job.wait_until(lambda: len(job.metrics()) >= 2, "2 steps")
+        assert broker._proc is not None
+        os.kill(broker._proc.pid, signal.SIGKILL)
+        time.sleep(30)
+        broker.restart()
+        assert job.wait() == 0, job.report()
+    finally:
+        stop(job)
+        broker.stop()
+    # only the Celery worker may die: kombu's Redis transport can crash restoring unacked messages on a lost
+    # connection ("'NoneType' object has no attribute 'hostname'"), and the launcher restarts it
+    deaths = [line for line in job.stderr().splitlines() if " died " in line]
+    assert all("service celery-worker died" in line and "restart" in line for line in deaths), deaths
+    audit_ledger(redis_url, job_id, max_steps=max_steps, groups_per_step=4, group_size=4)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        scored = [decode(fields[b"e"]) for _, fields in client.xrange(f"jetroll:{job_id}:traj:scored")]
+    finally:
+        client.close()
+    assert {(e.backend, e.status) for e in scored} == {("celery", "ok")}
+    assert "Celery broker unreachable" in job.service_log("reward")  # the outage really hit reward calls

@@ -2,18 +2,26 @@
 
 Each attempt has its own result key, `{prefix}:{traj_id}:{attempt}`. The worker keeps the first outcome under it
 (SET NX), so a task redelivered after its worker died yields the same single outcome, and a restarted router that
-finds the key reads it instead of sending the task again.
+finds the key reads it instead of sending the task again. A call that loses the broker waits for it and sends its
+task again (an outcome the worker could not write is lost with the outage); the copies keep one outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+
+import kombu.exceptions
+import redis.exceptions
 
 from jetroll.functions.celery_app import TASK_NAME, make_app
 from jetroll.services.reward.backends.base import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
 from jetroll.shared.protocol.call_records import CeleryReplies
 
 WAIT_MARGIN_S = 5.0
+BROKER_RETRY_S = 1.0
+log = logging.getLogger("jetroll.reward")
 
 
 class CeleryBackend(RewardBackend):
@@ -44,6 +52,19 @@ class CeleryBackend(RewardBackend):
         self.replies = CeleryReplies(broker_url, key_prefix, self.wait_s)
 
     async def _score(self, call: RewardCall) -> Outcome:
+        """The call's outcome; while the broker is unreachable, wait for it (up to `wait_s`), then send again."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return await self._send_and_wait(call)
+            except (redis.exceptions.ConnectionError, kombu.exceptions.OperationalError) as exc:
+                if time.monotonic() > deadline:
+                    return Outcome("error", detail=f"Celery broker unreachable for {self.wait_s:.0f}s: {exc}")
+                log.warning("Celery broker unreachable for %s, retrying in %.0f s: %s", call.traj_id, BROKER_RETRY_S,
+                            exc)
+                await asyncio.sleep(BROKER_RETRY_S)
+
+    async def _send_and_wait(self, call: RewardCall) -> Outcome:
         key = self.replies.key(call.traj_id, call.attempt)
         kept = await self.replies.kept(key)
         if kept is None:
