@@ -193,10 +193,8 @@ class Controller:
             self.task_of_group[events[-1].group_id] = task.name
         if not events:
             return
-        # the counter lives in Redis so a restarted controller never reuses a group_id
-        last = await self.in_flight.reserve(len(events))
-        assert last == first + len(events) - 1, f"another controller admitted groups of job {self.config.job_id}"
-        await self.in_flight.admit(events)
+        # the counter lives in Redis, counted with the groups, so a restarted controller never reuses a group_id
+        await self.in_flight.admit(events, num_admitted=first - 1)
         self.admission.num_admitted += len(events)
 
     async def _in_flight_by_task(self) -> dict[str, int]:

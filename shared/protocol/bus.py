@@ -114,14 +114,27 @@ class RedisBus:
                 pipe.xadd(self.key(stream), {FIELD: encode(event)})
             return [as_str(entry_id) for entry_id in await pipe.execute()]
 
-    async def publish_indexed(self, stream: str, events: list[Event], index: str, scores: dict[str, float]) -> None:
-        """XADD events and ZADD `scores` (member -> score) to the sorted set `index`, in one transaction: a reader
-        of the index never sees a member whose event was lost, nor an event missing from the index."""
+    async def publish_counted(self, events: dict[str, list[Event]], index: str, scores: dict[str, float],
+                              counter: str, expected: int) -> None:
+        """XADD the events (stream -> events), ZADD `scores` (member -> score) to the sorted set `index` and add
+        their number to `counter`, in one transaction, if `counter` still reads `expected`: a reader of the index
+        never sees a member whose event was lost, a writer that dies leaves all of it or none, and a second writer of
+        the counter is refused (RuntimeError)."""
+        key = self.key(counter)
         async with self.redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(key)
+            if int(await pipe.get(key) or 0) != expected:
+                raise RuntimeError(f"{key} moved past {expected}: another writer counts into it")
+            pipe.multi()
+            pipe.incrby(key, sum(len(batch) for batch in events.values()))
             pipe.zadd(self.key(index), scores)
-            for event in events:
-                pipe.xadd(self.key(stream), {FIELD: encode(event)})
-            await pipe.execute()
+            for stream, batch in events.items():
+                for event in batch:
+                    pipe.xadd(self.key(stream), {FIELD: encode(event)})
+            try:
+                await pipe.execute()
+            except aioredis.WatchError:
+                raise RuntimeError(f"{key} moved past {expected}: another writer counts into it") from None
 
     async def ensure_group(self, stream: str, group: str) -> None:
         """Create the consumer group at the start of the stream (creating the stream) unless it exists."""

@@ -138,18 +138,25 @@ class WeightStore(ABC):
         parent: int | None,
         is_checkpoint: bool = False,
     ) -> Manifest:
-        """Copy `src_dir`'s files, write the manifest create-only, then move LATEST forward (never back)."""
+        """Copy `src_dir`'s files, write the manifest create-only, then move LATEST forward (never back). A version
+        already published with these very files is a retry whose last try died before LATEST: it finishes that."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         prefix = f"weights/{version_name(version)}"
         async with self._connect() as io:
             if await self._read(io, f"{prefix}/{MANIFEST}") is not None:
-                raise WeightStoreError(f"version {version} is already published ({self.uri(version)})")
-            manifest = Manifest(version=version, step=step, shards=await self._put_tree(io, Path(src_dir), prefix),
-                                precision_id=precision_id, dtype=dtype, parent=parent, created_at=time.time(),
-                                is_checkpoint=is_checkpoint)
-            if not await self._put_create_only(io, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
-                raise WeightStoreError(f"version {version} was published concurrently ({self.uri(version)})")
+                manifest = (await self._manifest(io, version))[0]
+                files = await asyncio.to_thread(tree_sha256, Path(src_dir))
+                if ({s.key: s.sha256 for s in manifest.shards}, manifest.precision_id, manifest.dtype) != (
+                        files, precision_id, dtype):
+                    raise WeightStoreError(f"version {version} is already published with other weights "
+                                           f"({self.uri(version)})")
+            else:
+                manifest = Manifest(version=version, step=step, shards=await self._put_tree(io, Path(src_dir), prefix),
+                                    precision_id=precision_id, dtype=dtype, parent=parent, created_at=time.time(),
+                                    is_checkpoint=is_checkpoint)
+                if not await self._put_create_only(io, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
+                    raise WeightStoreError(f"version {version} was published concurrently ({self.uri(version)})")
             while True:
                 latest, token = await self._read_latest(io)
                 if latest is not None and latest >= version or await self._swap_latest(io, token, version):
@@ -274,6 +281,11 @@ def sha256_of(path: Path) -> str:
         while chunk := f.read(CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def tree_sha256(src_dir: Path) -> dict[str, str]:
+    """sha256 of each file a publish of `src_dir` would upload, by its key."""
+    return {src.relative_to(src_dir).as_posix(): sha256_of(src) for src in source_files(src_dir)}
 
 
 def source_files(src_dir: Path) -> list[Path]:

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import math
+import random
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -126,3 +127,35 @@ def test_two_sync_runs_repeat_every_metric_and_weight(tmp_path: Path, redis_url:
     assert summaries[0] == summaries[1]
     weights = [weights_sha256(job) for job in jobs]
     assert "weights/v00000004/model.safetensors" in weights[0] and weights[0] == weights[1]
+
+
+@pytest.mark.slow
+def test_a_sync_run_killed_everywhere_ends_with_the_weights_of_a_fault_free_one(
+    tmp_path: Path, redis_url: str, model_path: str  # noqa: F811
+) -> None:
+    """Sync mode, one rollout worker, FP8 on the exact backend: SIGKILL the trainer twice, the rollout worker, the
+    reward router and the controller at seeded steps, beside the same job with no faults. Every restarted service
+    replays what its predecessor would have done, so the final weights agree bit for bit."""
+    from test_job import kill_service
+
+    args = ("staleness.mode=sync", "precision.mode=fp8_unified", "precision.backend=exact", "trainer.max_steps=8")
+    clean, faulty = (launch(tmp_path, redis_url, model_path, *args) for _ in range(2))
+    rng = random.Random(20261202)
+    schedule = sorted((rng.randint(1, 6), kind) for kind in ("trainer", "trainer", "rollout", "reward", "controller"))
+    try:
+        killed: dict[str, int | None] = {}
+        for num_kills, (step, kind) in enumerate(schedule, start=1):
+            faulty.wait_until(lambda n=step: len(faulty.metrics()) >= n, f"step {step}")
+            killed[kind] = kill_service(faulty, kind, not_pid=killed.get(kind))
+            faulty.wait_until(lambda n=num_kills: faulty.stderr().count("died (exit -9)") >= n, f"kill {num_kills}")
+        for job in (clean, faulty):
+            assert job.wait() == 0, job.report()
+    finally:
+        for job in (clean, faulty):
+            stop(job)
+    assert faulty.stderr().count("died (exit -9)") == len(schedule), faulty.stderr()
+    weights = [weights_sha256(job) for job in (clean, faulty)]
+    final = "weights/v00000008/model.safetensors"
+    assert final in weights[0] and weights[0][final] == weights[1][final], schedule
+    common = weights[0].keys() & weights[1].keys()
+    assert {k: weights[0][k] for k in common} == {k: weights[1][k] for k in common}

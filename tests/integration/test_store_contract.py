@@ -106,9 +106,11 @@ def test_a_published_version_fetches_back_verified(backend: Backend, tmp_path: P
 def test_a_version_is_published_once(backend: Backend, tmp_path: Path) -> None:
     store = backend.store()
     first = publish(store, 1, model_dir(tmp_path / "a", seed=1))
-    with pytest.raises(WeightStoreError, match="version 1 is already published"):
+    with pytest.raises(WeightStoreError, match="version 1 is already published with other weights"):
         publish(store, 1, model_dir(tmp_path / "b", seed=7))
     assert asyncio.run(store.manifest(1)) == first
+    # the same files again are a retry of that publish (its first try may have died before LATEST): it finishes
+    assert publish(store, 1, tmp_path / "a") == first
     assert json.loads((asyncio.run(store.fetch(1)) / "config.json").read_text()) == {"seed": 1}
 
 

@@ -122,8 +122,7 @@ def test_publish_then_fetch_verifies(s3_url: str, s3: Any, bucket: str, tmp_path
     # a cached copy is re-verified, not trusted: a damaged one is downloaded again
     (fetched / "config.json").write_text("tampered")
     assert json.loads((asyncio.run(store.fetch(0)) / "config.json").read_text()) == {"seed": 0}
-    with pytest.raises(WeightStoreError, match="version 0 is already published"):
-        asyncio.run(publish(store, 0, src))
+    assert asyncio.run(publish(store, 0, src)).shards == asyncio.run(store.manifest(0)).shards  # a retry: it wins
     with pytest.raises(WeightStoreError, match="version 5 is not published"):
         asyncio.run(store.fetch(5))
 

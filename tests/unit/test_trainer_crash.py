@@ -27,9 +27,10 @@ SECTIONS: dict[str, Any] = {"trainer": {"groups_per_step": 2, "group_size": 4, "
                             "store": {"keep_checkpoints": 1},
                             # a new life takes the dead one's entries over at once, not after an idle time
                             "redis": {"claim_idle_ms": 3_600_000}}
-# (object, attribute) of the call right after which the first life dies: from inside the step to before the announce
+# (object, attribute) of the call right after which the first life dies: from inside the step to before the announce;
+# `_read_latest` is inside the publish, after the version's manifest and before LATEST moves to it
 CRASH_POINTS = [("trainer", "_step"), ("store", "save_checkpoint"), ("store", "record_step"), ("ledger", "record"),
-                ("bus", "ack"), ("store", "publish")]
+                ("bus", "ack"), ("store", "_read_latest"), ("store", "publish")]
 
 
 class Crash(Exception):
