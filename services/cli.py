@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "cold model cache: base, final and lowest accuracy, wall time (resumable)")
     learning.add_argument("--json", action="store_true", help="print one JSON object")
     learning.add_argument("--seeds", type=int, default=3, help="job seeds (and warm-start seeds) per kernel")
-    learning.add_argument("--kernels", default="native,avx2", help="kernel variants, comma-separated: native, avx2")
+    learning.add_argument("--kernels", default="avx2,native",
+                          help="kernel variants, comma-separated, in run order: avx2, native")
     learning.add_argument("--run-dir", type=Path, help="finished cells here are kept and not run again (default "
                           "~/.cache/jetroll/bench/learning)")
     learning.add_argument("--max-steps", type=int, help="override trainer.max_steps (a short proxy or a smoke test)")

@@ -151,8 +151,8 @@ def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
            "--set", "trainer.group_size=2", "--set", "rollout.compile=false"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
     rows = first["rows"]
-    assert [(r["kernel"], r["seed"], r["warm_start_seed"]) for r in rows] == [("native", 0, 0), ("avx2", 0, 0)]
-    assert rows[1]["cpu_capability"] == "AVX2" and rows[0]["cpu_capability"] != ""
+    assert [(r["kernel"], r["seed"], r["warm_start_seed"]) for r in rows] == [("avx2", 0, 0), ("native", 0, 0)]
+    assert rows[0]["cpu_capability"] == "AVX2" and rows[1]["cpu_capability"] != ""
     for row in rows:
         assert row["steps"] == 2 and row["warm_start_steps"] == 4
         assert [step for step, _ in row["evals"]] == [0, 1, 2]
