@@ -19,6 +19,10 @@ import redis.asyncio as aioredis
 
 INVOKING = b"invoking"
 
+
+class BrokerUnreachable(Exception):
+    """The Celery broker's Redis did not answer (it is down or restarting)."""
+
 # Keep the first outcome, then hand the kept one to the waiting router, atomically: a redelivery or a late
 # hard-timeout report can never replace an outcome the router may already have read.
 _KEEP_FIRST_AND_REPLY = """
@@ -66,15 +70,21 @@ class CeleryReplies:
         return f"{self.prefix}:{traj_id}:{attempt}"
 
     async def kept(self, key: str) -> dict[str, Any] | None:
-        kept = await self.redis.get(key)
+        try:
+            kept = await self.redis.get(key)
+        except redis.ConnectionError as exc:
+            raise BrokerUnreachable(str(exc)) from exc
         return None if kept is None else json.loads(kept)
 
     async def wait(self, key: str) -> dict[str, Any] | None:
         """The outcome the worker pushed, or None after `wait_s`."""
-        reply = await self.redis.blpop([f"{key}:reply"], timeout=self.wait_s)
-        if reply is None:
-            return None
-        await self.redis.delete(f"{key}:reply")
+        try:
+            reply = await self.redis.blpop([f"{key}:reply"], timeout=self.wait_s)
+            if reply is None:
+                return None
+            await self.redis.delete(f"{key}:reply")
+        except redis.ConnectionError as exc:
+            raise BrokerUnreachable(str(exc)) from exc
         return json.loads(reply[1])
 
     async def close(self) -> None:

@@ -13,11 +13,10 @@ import logging
 import time
 
 import kombu.exceptions
-import redis.exceptions
 
 from jetroll.functions.celery_app import TASK_NAME, make_app
 from jetroll.services.reward.backends.base import RECORD_TTL_S, Outcome, RewardBackend, RewardCall
-from jetroll.shared.protocol.call_records import CeleryReplies
+from jetroll.shared.protocol.call_records import BrokerUnreachable, CeleryReplies
 
 WAIT_MARGIN_S = 5.0
 BROKER_RETRY_S = 1.0
@@ -57,7 +56,7 @@ class CeleryBackend(RewardBackend):
         while True:
             try:
                 return await self._send_and_wait(call)
-            except (redis.exceptions.ConnectionError, kombu.exceptions.OperationalError) as exc:
+            except (BrokerUnreachable, kombu.exceptions.OperationalError) as exc:
                 if time.monotonic() > deadline:
                     return Outcome("error", detail=f"Celery broker unreachable for {self.wait_s:.0f}s: {exc}")
                 log.warning("Celery broker unreachable for %s, retrying in %.0f s: %s", call.traj_id, BROKER_RETRY_S,
