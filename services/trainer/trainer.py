@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import shutil
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -377,6 +379,15 @@ class Trainer:
         save_pretrained(self.model, self.tokenizer, staged / "weights", publish=self.config.precision.numerics())
         return staged
 
+    @contextlib.asynccontextmanager
+    async def _staged(self, groups: dict[str, int], entry_ids: list[str]) -> AsyncIterator[Path]:
+        """`_stage` for a commit written in line (start-up and resume), removed afterwards."""
+        staged = await asyncio.to_thread(self._stage, groups, entry_ids)
+        try:
+            yield staged
+        finally:
+            await asyncio.to_thread(shutil.rmtree, staged, True)
+
     async def _publish(self, version: int, weights_dir: Path) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""
         manifest = await self.store.publish(
@@ -402,12 +413,9 @@ class Trainer:
         if checkpoint is None:
             if latest is not None:
                 raise RuntimeError(f"store holds version {latest} but no trainer state; use a fresh run dir")
-            staged = await asyncio.to_thread(self._stage, {}, [])
-            try:
+            async with self._staged({}, []) as staged:
                 await self.store.save_checkpoint(0, staged / "state")
                 await self._publish(0, staged / "weights")
-            finally:
-                shutil.rmtree(staged, ignore_errors=True)
             return
         step, directory = checkpoint
         state = self._load_checkpoint(directory)
@@ -422,11 +430,8 @@ class Trainer:
         if latest == step:
             await self._announce(await self.store.manifest(latest))  # the last life may have died before this
             return
-        staged = await asyncio.to_thread(self._stage, state.groups, state.entry_ids)
-        try:
+        async with self._staged(state.groups, state.entry_ids) as staged:
             await self._publish(step, staged / "weights")
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
 
     def _load_checkpoint(self, directory: Path) -> TrainerState:
         try:

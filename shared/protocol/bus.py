@@ -121,10 +121,11 @@ class RedisBus:
         never sees a member whose event was lost, a writer that dies leaves all of it or none, and a second writer of
         the counter is refused (RuntimeError)."""
         key = self.key(counter)
+        moved = f"{key} moved past {expected}: another writer counts into it"
         async with self.redis.pipeline(transaction=True) as pipe:
             await pipe.watch(key)
             if int(await pipe.get(key) or 0) != expected:
-                raise RuntimeError(f"{key} moved past {expected}: another writer counts into it")
+                raise RuntimeError(moved)
             pipe.multi()
             pipe.incrby(key, sum(len(batch) for batch in events.values()))
             pipe.zadd(self.key(index), scores)
@@ -134,7 +135,7 @@ class RedisBus:
             try:
                 await pipe.execute()
             except aioredis.WatchError:
-                raise RuntimeError(f"{key} moved past {expected}: another writer counts into it") from None
+                raise RuntimeError(moved) from None
 
     async def ensure_group(self, stream: str, group: str) -> None:
         """Create the consumer group at the start of the stream (creating the stream) unless it exists."""

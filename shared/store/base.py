@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -144,8 +144,8 @@ class WeightStore(ABC):
             raise ValueError(f"version must be >= 0, got {version}")
         prefix = f"weights/{version_name(version)}"
         async with self._connect() as io:
-            if await self._read(io, f"{prefix}/{MANIFEST}") is not None:
-                manifest = (await self._manifest(io, version))[0]
+            if (raw := await self._read(io, f"{prefix}/{MANIFEST}")) is not None:
+                manifest = self._decode_manifest(raw, version)
                 files = await asyncio.to_thread(tree_sha256, Path(src_dir))
                 if ({s.key: s.sha256 for s in manifest.shards}, manifest.precision_id, manifest.dtype) != (
                         files, precision_id, dtype):
@@ -171,8 +171,11 @@ class WeightStore(ABC):
         raw = await self._read(io, f"weights/{version_name(version)}/{MANIFEST}")
         if raw is None:
             raise WeightStoreError(f"version {version} is not published (no {self.uri(version)})")
+        return self._decode_manifest(raw, version), raw
+
+    def _decode_manifest(self, raw: bytes, version: int) -> Manifest:
         try:
-            return msgspec.json.decode(raw, type=Manifest), raw
+            return msgspec.json.decode(raw, type=Manifest)
         except msgspec.DecodeError as exc:
             raise WeightStoreError(f"version {version}: bad manifest {self.uri(version)}: {exc}") from None
 
@@ -363,25 +366,23 @@ def retention_candidates(versions: list[int], keep_last: int, latest: int | None
 
 def write_create_only(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all, failing with FileExistsError if it exists (temp file + hard link)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a full disk must not leave temp files behind either
+    _write_through_temp(path, data, os.link)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    _write_through_temp(path, data, os.replace)
+
+
+def _write_through_temp(path: Path, data: bytes, place: Callable[[Path, Path], None]) -> None:
+    """Write and fsync a temp file beside `path`, then `place` it there; the temp file never stays behind, even
+    when the disk is full."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     try:
         with tmp.open("wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        place(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
