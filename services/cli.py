@@ -147,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     learning.add_argument("--max-steps", type=int, help="override trainer.max_steps (a short proxy or a smoke test)")
     learning.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override a field of configs/arithmetic.yaml in every cell")
+    chaos = bench_sub.add_parser("chaos", help="the default async job under a seeded schedule of faults (kill -9 of "
+                                 "every service, the trainer twice, a Redis kill, an S3 outage): recovery times and "
+                                 "an audit of admitted, trained once or twice, dropped and lost groups (resumable)")
+    chaos.add_argument("--json", action="store_true", help="print one JSON object")
+    chaos.add_argument("--seed", type=int, default=0, help="the job's seed, and the fault schedule's")
+    chaos.add_argument("--run-dir", type=Path, help="a finished run here is kept and not run again (default "
+                       "~/.cache/jetroll/bench/chaos)")
+    chaos.add_argument("--max-steps", type=int, help="override trainer.max_steps (a smoke test)")
+    chaos.add_argument("--outage-s", type=float, default=30.0, help="how long S3 stays unreachable")
+    chaos.add_argument("--s3-endpoint", help="an S3-compatible endpoint for the job's store (default: a moto server "
+                       "started by the bench, when moto is installed)")
+    chaos.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of configs/arithmetic.yaml")
     precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only uncorrected, "
                                      "and of fp8_rollout_only with token_tis and icepop, per seed: held-out scores and "
                                      "reward curves (resumable)")
@@ -308,6 +321,8 @@ def _bench(args: argparse.Namespace) -> int:
     runs = {
         "learning": lambda m: m.run_learning_bench(args.seeds, args.kernels, args.run_dir, args.overrides,
                                                    args.max_steps),
+        "chaos": lambda m: m.run_chaos_bench(args.seed, args.run_dir, args.overrides, args.max_steps, args.outage_s,
+                                             args.s3_endpoint),
         "precision": lambda m: m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides),
         "async": lambda m: m.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir),
         "mismatch": lambda m: m.run_mismatch_bench(lengths=ints(args.lengths), num_samples=args.samples,

@@ -102,7 +102,7 @@ class Controller:
             await asyncio.sleep(0.2)
         accuracy_before = self._first_eval() or await self._evaluate(latest)
         weights_id = metrics_id = "0-0"
-        trimmed_at = time.monotonic()
+        trimmed_at = heard_at = time.monotonic()
         with ProgressView(self.book, self.config.trainer.max_steps, self.task_names) as view:
             while self.version < self.config.trainer.max_steps:
                 await self._admit()
@@ -111,6 +111,11 @@ class Controller:
                 weights_id, events = await self.bus.tail(WEIGHTS, weights_id, block_ms=1000 if is_publishing else 0,
                                                          check=self._check_weights)
                 published = [e.version for e in events if isinstance(e, WeightsPublishedEvent)]
+                if published:
+                    heard_at = time.monotonic()
+                elif time.monotonic() - heard_at > self.config.store.poll_interval_s:
+                    heard_at = time.monotonic()
+                    published = await self._poll_latest()
                 # new weights: admit at once, without waiting for more metrics
                 metrics_id, events = await self.bus.tail(METRICS, metrics_id, block_ms=0 if published else 100,
                                                          count=1000, check=self.is_metric)
@@ -144,6 +149,16 @@ class Controller:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         return summary
+
+    async def _poll_latest(self) -> list[int]:
+        """LATEST, if it is past the version heard of: a weights event can be lost with Redis' last second of
+        writes, the final version's too (after which the trainer is done and says nothing more)."""
+        try:
+            latest = await self.store.latest()
+        except WeightStoreError as exc:  # the store is down: the next poll tries again
+            log.warning("polling the store's LATEST failed: %s", exc)
+            return []
+        return [latest] if latest is not None and latest > self.version else []
 
     async def _check_weights(self, event: AnyEvent) -> str | None:
         """An announcement the controller may act on: of this job's store, and naming the shards the store holds
@@ -193,8 +208,14 @@ class Controller:
             self.task_of_group[events[-1].group_id] = task.name
         if not events:
             return
+        # a machine crash can lose Redis' last second, admissions included, while the store keeps the steps that
+        # trained those groups (a restarted trainer re-records them): count such an index, but never run it again
+        recorded = await self.ledger.recorded({e.group_id for e in events})
+        if recorded:
+            log.warning("not admitting %d groups again: the ledger holds them (%s...)", len(recorded), min(recorded))
         # the counter lives in Redis, counted with the groups, so a restarted controller never reuses a group_id
-        await self.in_flight.admit(events, num_admitted=first - 1)
+        await self.in_flight.admit([e for e in events if e.group_id not in recorded], num_admitted=first - 1,
+                                   num_indices=len(events))
         self.admission.num_admitted += len(events)
 
     async def _in_flight_by_task(self) -> dict[str, int]:

@@ -74,6 +74,7 @@ class Trainer:
         self.ingest_task: asyncio.Task[None] | None = None
         self.is_training = False
         self.has_taken_over = False
+        self.redis_run_id = ""  # the Redis server's run id when the ledger was last known whole
         assert config.model.path, "the launcher resolves model.path before services start"
         self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
         self.model.train()
@@ -115,6 +116,9 @@ class Trainer:
         commits run one at a time, in version order."""
         cycle_started = time.perf_counter()
         while self.version < self.config.trainer.max_steps:
+            if await self.bus.server_run_id() != self.redis_run_id:  # Redis restarted under a live trainer
+                await self._last_commit()
+                await self._rerecord_lost_steps(below=self.version + 1)
             waited = time.perf_counter()
             self.stale_wait_s = 0.0
             groups = await self._next_groups()
@@ -424,6 +428,7 @@ class Trainer:
                                f"is step {step}: the state behind versions {step + 1}..{latest} is lost, so this "
                                "job cannot go on exactly once; start it again in a fresh run dir")
         self.version = step
+        await self._rerecord_lost_steps(below=step)  # `step` itself is recorded, with its acks, next
         if step:
             await self._record_step(step, state.groups, state.entry_ids)
         log.info("resumed from checkpoint step %d at version %d", step, self.version)
@@ -432,6 +437,18 @@ class Trainer:
             return
         async with self._staged(state.groups, state.entry_ids) as staged:
             await self._publish(step, staged / "weights")
+
+    async def _rerecord_lost_steps(self, below: int) -> None:
+        """A machine crash can lose the last second of Redis' writes (AOF everysec), and with them the ledger's
+        records of steps the store holds; their entries, unacked, come back, and would train again. So re-record
+        every stored step under `below` above the ledger's newest (re-recording a group is a no-op). A drop is
+        recorded at the trainer's version, up to two versions before that version's commit lands: hence the margin."""
+        self.redis_run_id = await self.bus.server_run_id()
+        newest = (await self.ledger.totals()).max_step
+        for record in await self.store.step_records(after=max(0, newest - 2)):
+            if record.version < below:
+                await self.ledger.record({g: Outcome(record.version, "trained", n) for g, n in record.groups.items()},
+                                         keep_groups=self.config.redis.ledger_keep_groups)
 
     def _load_checkpoint(self, directory: Path) -> TrainerState:
         try:

@@ -115,11 +115,13 @@ class RedisBus:
             return [as_str(entry_id) for entry_id in await pipe.execute()]
 
     async def publish_counted(self, events: dict[str, list[Event]], index: str, scores: dict[str, float],
-                              counter: str, expected: int) -> None:
+                              counter: str, expected: int, count: int) -> None:
         """XADD the events (stream -> events), ZADD `scores` (member -> score) to the sorted set `index` and add
-        their number to `counter`, in one transaction, if `counter` still reads `expected`: a reader of the index
-        never sees a member whose event was lost, a writer that dies leaves all of it or none, and a second writer of
-        the counter is refused (RuntimeError)."""
+        `count` (at least their number) to `counter`, in one transaction, if `counter` still reads `expected`: a
+        reader of the index never sees a member whose event was lost, a writer that dies leaves all of it or none,
+        and a second writer of the counter is refused (RuntimeError)."""
+        if count < sum(len(batch) for batch in events.values()):
+            raise ValueError(f"count {count} is below the {sum(map(len, events.values()))} events")
         key = self.key(counter)
         moved = f"{key} moved past {expected}: another writer counts into it"
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -127,8 +129,9 @@ class RedisBus:
             if int(await pipe.get(key) or 0) != expected:
                 raise RuntimeError(moved)
             pipe.multi()
-            pipe.incrby(key, sum(len(batch) for batch in events.values()))
-            pipe.zadd(self.key(index), scores)
+            pipe.incrby(key, count)
+            if scores:
+                pipe.zadd(self.key(index), scores)
             for stream, batch in events.items():
                 for event in batch:
                     pipe.xadd(self.key(stream), {FIELD: encode(event)})
@@ -432,6 +435,11 @@ class RedisBus:
             keys[short] = keys.get(short, 0) + int(size or 0)
         used = int((await self.redis.info("memory"))["used_memory"])
         return {"used_memory_bytes": used, "job_keys_bytes": sum(keys.values()), "keys": keys}
+
+    async def server_run_id(self) -> str:
+        """The Redis server's run id, new with every start of the server: a change says it restarted, maybe from a
+        file that lost its last second of writes."""
+        return str((await self.redis.info("server"))["run_id"])
 
     async def close(self) -> None:
         await self.redis.aclose()

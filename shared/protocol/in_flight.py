@@ -23,15 +23,16 @@ class InFlightIndex:
         """Groups admitted by every life of the controller so far."""
         return int(await self.bus.redis.get(self.bus.key(NUM_ADMITTED)) or 0)
 
-    async def admit(self, events: list[GroupEvent], num_admitted: int) -> None:
-        """Publish groups on their pools' streams, each indexed at its v_adm, and count them, in one transaction:
-        a controller killed mid-admission leaves all of them or none, so the count it restores from names only
-        published groups. `num_admitted` is the count before them; another controller of the job is refused."""
+    async def admit(self, events: list[GroupEvent], num_admitted: int, num_indices: int) -> None:
+        """Publish groups on their pools' streams, each indexed at its v_adm, and count `num_indices` admissions
+        (these groups, and indices whose groups are recorded already), in one transaction: a controller killed
+        mid-admission leaves all of them or none, so the count it restores from names only published groups.
+        `num_admitted` is the count before them; another controller of the job is refused."""
         by_stream: dict[str, list[GroupEvent]] = {}
         for event in events:
             by_stream.setdefault(groups_stream(event.pool).name, []).append(event)
         await self.bus.publish_counted(by_stream, IN_FLIGHT, {e.group_id: e.v_adm for e in events}, NUM_ADMITTED,
-                                       expected=num_admitted)
+                                       expected=num_admitted, count=num_indices)
 
     async def started(self, group_ids: list[str], version: int) -> None:
         """A worker starts these groups at `version`: lower their scores to it (never raise them, never re-add)."""

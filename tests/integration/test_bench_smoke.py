@@ -167,3 +167,36 @@ def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
     assert again["rows"] == rows
     other = subprocess.run([*cmd, "--set", "trainer.lr=0.5"], capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and "holds learning-bench runs of another config" in other.stderr, other.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_chaos_json_smoke_and_resume(tmp_path: Path) -> None:
+    """60 steps of a 1-layer job on a moto S3 store: every service SIGKILLed (the trainer twice), the Redis killed
+    and S3 cut, each at its seeded step; the job ends with nothing trained twice and nothing lost, and a second call
+    runs nothing again."""
+    from jetroll.services.bench.chaos import FAULTS
+
+    cmd = [*JETROLL, "bench", "chaos", "--json", "--seed", "3", "--max-steps", "60", "--outage-s", "3",
+           "--run-dir", str(tmp_path / "bench"), "--set", f"model.cache_dir={tmp_path / 'cache'}",
+           "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=4",
+           "--set", "model.warm_start.target_band=null", "--set", "model.warm_start.probe_problems=20",
+           "--set", "eval.num_problems=20", "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2",
+           "--set", "trainer.checkpoint_every=20", "--set", "rollout.compile=false", "--set", "rollout.max_batch=16",
+           "--set", "redis.claim_idle_ms=2000"]
+    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
+    (row,) = first["rows"]
+    assert sorted(f["kind"] for f in row["faults"]) == sorted(FAULTS)
+    for fault in row["faults"]:
+        assert fault["fired_at_step"] >= fault["step"] and fault["recovery_s"] > 0, fault
+    (outage,) = [f for f in row["faults"] if f["kind"] == "s3"]
+    assert outage["recovery_s"] >= 3.0, outage  # the cut itself counts
+    log = (tmp_path / "bench" / "seed3" / "job.log").read_text()
+    for kind, times in (("trainer", 2), ("rollout-default-0", 1), ("reward", 1), ("controller", 1), ("redis", 1)):
+        assert log.count(f"service {kind} died (exit -9)") == times, (kind, log)
+    assert row["steps"] == row["steps_recorded"] == 60
+    assert row["trained_twice"] == 0 and row["lost"] == 0, row
+    assert row["trained_once"] == row["ledger_trained"] == 60 * 2, row
+    assert row["admitted"] == row["trained_once"] + row["dropped"], row
+    again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert again["rows"] == [row]

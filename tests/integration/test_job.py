@@ -428,6 +428,63 @@ def test_a_job_survives_a_restart_of_its_redis(tmp_path: Path, model_path: str) 
     assert totals.num_dropped == 0, totals
 
 
+def aof_commands(data: bytes) -> Iterator[tuple[int, list[bytes]]]:
+    """(offset, args) of each command of an append-only file (RESP arrays of bulk strings)."""
+    pos = 0
+    while pos < len(data):
+        start, end = pos, data.index(b"\r\n", pos)
+        assert data[pos:pos + 1] == b"*", data[pos:pos + 20]
+        args, pos = [], end + 2
+        for _ in range(int(data[start + 1:end])):
+            end = data.index(b"\r\n", pos)
+            length = int(data[pos + 1:end])
+            args.append(data[end + 2:end + 2 + length])
+            pos = end + 2 + length + 2
+        yield start, args
+
+
+def cut_aof_before_step(redis_dir: Path, job_id: str, step: int) -> None:
+    """Truncate the job's append-only file before the transaction that first recorded `step` in its ledger: what a
+    machine crash leaves of Redis' last second of writes (everything after a point, whole transactions)."""
+    (path,) = sorted(redis_dir.glob("appendonlydir/*.incr.aof")) or [redis_dir / "appendonly.aof"]
+    data = path.read_bytes()
+    totals, multi = f"jetroll:{job_id}:ledger:totals".encode(), 0
+    for offset, args in aof_commands(data):
+        if args[0].upper() == b"MULTI":
+            multi = offset
+        if args[0].upper() == b"HSET" and args[1] == totals and int(args[args.index(b"max_step") + 1]) >= step:
+            path.write_bytes(data[:multi])
+            return
+    pytest.fail(f"no ledger record of step {step} in {path} (rewritten into its base?)")
+
+
+@pytest.mark.slow
+def test_a_redis_that_lost_its_last_writes_trains_nothing_twice(tmp_path: Path, model_path: str) -> None:
+    """A machine crash loses the last second of the job's Redis (AOF everysec) but not the store. Cut the file
+    before step 5's ledger record of a finished 8-step job, then run the job on to 12 steps: the trainer re-records
+    steps 5-8 from the store's step records, so their scored entries, redelivered unacked, are not trained again;
+    the controller, its count rolled back, does not run those groups again; every group is recorded once."""
+    first = launch(tmp_path, None, model_path, "trainer.max_steps=8")
+    try:
+        assert first.wait() == 0, first.report()
+    finally:
+        stop(first)
+    cut_aof_before_step(first.run_dir / "redis", first.job_id, 5)
+    job = launch(tmp_path, None, model_path, "trainer.max_steps=12", job_id=first.job_id, run_dir=first.run_dir)
+    try:
+        assert job.wait() == 0, job.report()
+    finally:
+        stop(job)
+    assert "not admitting" in job.service_log("controller"), job.service_log("controller")
+    records = asyncio.run(LocalWeightStore(job.run_dir / "store", job.job_id).step_records())
+    assert [r.version for r in records] == list(range(1, 13))
+    times_trained = Counter(g for r in records for g in r.groups)
+    assert max(times_trained.values()) == 1, [g for g, n in times_trained.items() if n > 1]
+    with RedisServer(data_dir=job.run_dir / "redis") as server:
+        totals = audit_ledger(server.url, job.job_id, 12, groups_per_step=4, group_size=4)
+    assert totals.num_dropped == 0, totals
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB tmpfs, unmounted at the end (mounting one needs root)."""

@@ -14,7 +14,8 @@ from test_staleness import job_config, model_dir, scored, stop, until  # noqa: F
 from jetroll.services.controller.controller import Controller
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import WeightsPublishedEvent
+from jetroll.shared.protocol.events import WeightsPublishedEvent, decode
+from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome, admission_index, group_id
 from jetroll.shared.protocol.topology import IN_FLIGHT
 from jetroll.shared.store import setup_store
@@ -135,3 +136,56 @@ def test_a_restarted_controller_counts_drops_from_the_ledger(model_dir: Path, re
             await bus.close()
 
     assert asyncio.run(scenario()) == 12 + 7
+
+
+def test_a_controller_counts_but_never_publishes_an_index_the_ledger_holds(model_dir: Path, redis_url: str,  # noqa: F811
+                                                                          tmp_path: Path) -> None:
+    """A Redis that lost its last second rolled the admission counter back under groups the trainer has trained
+    (and re-recorded from the store). B = 4, eta = 2: v0 admits 12 indices; g2 and g3 are in the ledger, so 10
+    groups are published, and the counter covers all 12."""
+    config = job_config(model_dir, tmp_path, trainer={"max_steps": 10, "groups_per_step": 4, "group_size": 2},
+                        staleness={"max_staleness": 2})
+    job = config.job_id
+
+    async def scenario() -> tuple[list[str], int, set[str]]:
+        bus = RedisBus(redis_url, job)
+        try:
+            await Ledger(bus).record({group_id(i): Outcome(1, "trained", 2) for i in (2, 3)}, keep_groups=0)
+            controller = Controller(config, bus, setup_store(config.store, job, tmp_path), tmp_path)
+            await controller._restore_admitted()
+            await controller._admit()
+            events = [decode(fields[b"e"]) for _, fields in await bus.redis.xrange(bus.key("groups:default"))]
+            return ([e.group_id for e in events], await InFlightIndex(bus).num_admitted(),
+                    await InFlightIndex(bus).members())
+        finally:
+            await bus.close()
+
+    published, num_admitted, in_flight = asyncio.run(scenario())
+    expected = [group_id(i) for i in range(1, 13) if i not in (2, 3)]
+    assert published == expected and num_admitted == 12 and in_flight == set(expected)
+
+
+def test_a_controller_hears_of_a_version_whose_weights_event_was_lost(model_dir: Path, redis_url: str,  # noqa: F811
+                                                                      tmp_path: Path) -> None:
+    """The store holds versions 0-2 and LATEST says 2, but no weights event was ever announced (lost with Redis'
+    last second): the controller polls LATEST, and the 2-step job ends, evaluated at v2."""
+    config = job_config(model_dir, tmp_path, trainer={"max_steps": 2, "groups_per_step": 4, "group_size": 2},
+                        store={"poll_interval_s": 0.2})
+    job = config.job_id
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"version": 0, "arithmetic": 0.5}) + "\n")  # the base's eval
+
+    async def scenario() -> dict:
+        bus = RedisBus(redis_url, job)
+        store = setup_store(config.store, job, tmp_path)
+        for version in (0, 1, 2):
+            await store.publish(version, version, model_dir, precision_id=config.precision.precision_id,
+                                dtype="float32", parent=version - 1 if version else None)
+        try:
+            return await asyncio.wait_for(Controller(config, bus, store, tmp_path).run(), timeout=60)
+        finally:
+            await bus.close()
+
+    summary = asyncio.run(scenario())
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2], evals
+    assert summary["accuracy_after"] == evals[-1]["arithmetic"]

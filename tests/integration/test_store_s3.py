@@ -21,9 +21,9 @@ import pytest
 import redis
 import torch
 from safetensors.torch import save_file
-from tcp_proxy import TcpProxy
 from test_job import audit_ledger, launch, service_logs, stop
 
+from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config

@@ -220,7 +220,7 @@ def test_a_group_whose_missing_sample_is_invalid_is_dropped(
         admitted = GroupEvent(job_id=job, group_id="g0", task="arithmetic", pool="default", prompt=PROMPTS[0],
                               prompt_ids=Array.of(tokenizer.encode(PROMPTS[0]), "<i4"), answer="0", group_size=4,
                               max_new_tokens=8, v_adm=0)
-        await InFlightIndex(trainer.bus).admit([admitted], num_admitted=0)
+        await InFlightIndex(trainer.bus).admit([admitted], num_admitted=0, num_indices=1)
         completion = tokenizer.encode("46")
         for sample in range(3):
             await trainer.bus.publish(TRAJ_SCORED.name, trajectory(job, sample, completion, [-0.5, -0.5]))

@@ -1,5 +1,5 @@
-"""A TCP forwarder on 127.0.0.1 for outage tests: cut it and the server behind it is unreachable, though it keeps
-running (moto keeps its objects in memory, so stopping moto itself would lose the store)."""
+"""A TCP forwarder on 127.0.0.1 for S3 outages (the chaos bench, the outage tests): cut it and the server behind it
+is unreachable, though it keeps running (moto keeps its objects in memory, so stopping moto would lose the store)."""
 
 from __future__ import annotations
 

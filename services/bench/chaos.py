@@ -1,0 +1,284 @@
+"""`jetroll bench chaos`: the default async job under a seeded schedule of faults, then an audit of its work.
+
+The job runs as `jetroll run` runs it (its own Redis, every service a process), with its weight store on S3 behind a
+TCP proxy. The schedule, drawn from the seed, SIGKILLs every service (the trainer twice), SIGKILLs the job's Redis
+(the launcher restarts it from its append-only file) and cuts S3 for `outage_s`, each at a seeded step and only once
+the fault before it has recovered: the job has trained max_staleness + 2 steps past the step the fault hit, more
+than were in flight before it.
+
+The audit counts from what survived, not from what the services say: the store's step records (one per surviving
+step, create-only) give each group trained once or twice, the job's summary the groups admitted and dropped with a
+reason; lost = admitted - trained - dropped. A finished run leaves `row.json` and is not run again, so the bench
+resumes across sessions; an interrupted one starts over (its S3 store lived in memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from jetroll.services.bench.tcp_proxy import TcpProxy
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.store import setup_store
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
+DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/chaos")
+FAULTS = ("trainer", "trainer", "rollout", "reward", "controller", "redis", "s3")
+BUCKET = "jetroll-chaos"
+MOTO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos", "AWS_DEFAULT_REGION": "us-east-1"}
+FAULT_TIMEOUT_S = 600.0  # a fault that has not recovered in this long fails the run
+T = TypeVar("T")
+
+
+@dataclass
+class Fault:
+    kind: str  # a service to SIGKILL, "redis" (SIGKILL the job's Redis) or "s3" (cut the store for outage_s)
+    step: int  # fired once the job has trained this many steps
+    fired_at_s: float | None = None  # since the job started
+    fired_at_step: int | None = None
+    recovery_s: float | None = None  # from the fault until the job trained max_staleness + 2 steps past it
+
+
+def schedule(seed: int, max_steps: int) -> list[Fault]:
+    """Every fault once (the trainer twice), in a seeded order, each at a seeded step of its own slot of steps 5% to
+    90% of the job: the slots keep faults apart, and leave room to recover from the last one."""
+    rng = random.Random(seed)
+    low, high = max(1, max_steps // 20), max_steps * 9 // 10
+    width = (high - low) // len(FAULTS)
+    if width < 1:
+        raise ConfigError(f"bench chaos: {max_steps} steps leave no room for {len(FAULTS)} faults; use more steps")
+    kinds = list(FAULTS)
+    rng.shuffle(kinds)
+    return [Fault(kind, low + i * width + rng.randrange(width)) for i, kind in enumerate(kinds)]
+
+
+def run_chaos_bench(seed: int = 0, run_dir: Path | None = None, overrides: list[str] = (),
+                    max_steps: int | None = None, outage_s: float = 30.0,
+                    s3_endpoint: str | None = None) -> dict[str, Any]:
+    extra = [*overrides, *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
+    config = load_config(CONFIG, extra)  # a bad override fails here, before anything starts
+    if config.store.type != "local" or config.staleness.mode != "async":
+        raise ConfigError("bench chaos runs the async job and puts its store on S3 itself; drop the store and "
+                          "staleness overrides")
+    out = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve() / f"seed{seed}"
+    if not (out / "row.json").exists():
+        _claim(out.parent, extra, outage_s)
+        run_one(config, seed, out, extra, outage_s, s3_endpoint)
+    row = json.loads((out / "row.json").read_text())
+    return {"config": {"config": str(CONFIG), "overrides": extra, "seed": seed, "outage_s": outage_s,
+                       "run_dir": str(out)}, "rows": [row]}
+
+
+def _claim(run_dir: Path, overrides: list[str], outage_s: float) -> None:
+    """Pin the run dir to one config, so a resumed bench never mixes runs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "bench_config.json"
+    tree = {"config": CONFIG.read_text(), "overrides": list(overrides), "outage_s": outage_s}
+    if path.exists() and json.loads(path.read_text()) != tree:
+        raise ConfigError(f"{run_dir} holds chaos-bench runs of another config ({path}); pass a new --run-dir")
+    path.write_text(json.dumps(tree, indent=2))
+
+
+def run_one(config: JobConfig, seed: int, out: Path, overrides: list[str], outage_s: float,
+            s3_endpoint: str | None) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    faults = schedule(seed, config.trainer.max_steps)
+    job_id = f"chaos-s{seed}-{os.urandom(3).hex()}"
+    with _s3(s3_endpoint) as (endpoint, env):
+        target = urlsplit(endpoint)
+        proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 80).start()
+        command = [sys.executable, "-m", "jetroll.services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
+                   *(arg for item in [*overrides, f"seed={seed}", f"job_id={job_id}",
+                                      f"store.uri=s3://{BUCKET}/{job_id}", f"store.endpoint_url={proxy.url}"]
+                     for arg in ("--set", item))]
+        print(f"bench chaos: seed {seed}, {len(faults)} faults: "
+              + ", ".join(f"{f.kind}@{f.step}" for f in faults), file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        with open(out / "job.log", "wb") as log:
+            job = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                code = _inject(job, faults, out / "run", config.staleness.max_staleness + 2, proxy, outage_s,
+                               started)
+            finally:
+                if job.poll() is None:  # interrupted, or a fault that never recovered: stop it as Ctrl-C does
+                    job.send_signal(signal.SIGINT)
+                    try:
+                        job.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        job.kill()
+                proxy.cut()
+        wall_s = time.perf_counter() - started
+        if code != 0:
+            raise RuntimeError(f"bench chaos: the job failed (exit {code}); see {out / 'job.log'}")
+        direct = config.model_copy(update={"store": config.store.model_copy(update={
+            "type": "s3", "uri": f"s3://{BUCKET}/{job_id}", "endpoint_url": endpoint})})
+        row = {"seed": seed, "faults": [asdict(f) for f in faults], "wall_s": round(wall_s, 1),
+               **audit(direct, job_id, out / "run")}
+    (out / "row.json").write_text(json.dumps(row, indent=2))
+    print(f"bench chaos: seed {seed}: trained twice {row['trained_twice']}, lost {row['lost']}, final "
+          f"{row['accuracy_after']:.1%}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _s3(endpoint: str | None) -> Iterator[tuple[str, dict[str, str]]]:
+    """The S3 endpoint the job's store uses and the environment its clients need: the one given, or a moto server
+    started here (moto keeps the objects in memory, for this run only)."""
+    if endpoint is not None:
+        _make_bucket(endpoint, {})
+        yield endpoint, {}
+        return
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        raise ConfigError("bench chaos needs an S3 endpoint for its store: pass --s3-endpoint URL, or install moto "
+                          "(pip install 'moto[server]', in the dev extra)") from None
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    saved = {name: os.environ.get(name) for name in MOTO_CREDENTIALS}
+    os.environ.update(MOTO_CREDENTIALS)  # for the audit's own store client
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        _make_bucket(endpoint, MOTO_CREDENTIALS)
+        yield endpoint, MOTO_CREDENTIALS
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _make_bucket(endpoint: str, credentials: dict[str, str]) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name=credentials.get("AWS_DEFAULT_REGION"),
+                          aws_access_key_id=credentials.get("AWS_ACCESS_KEY_ID"),
+                          aws_secret_access_key=credentials.get("AWS_SECRET_ACCESS_KEY"))
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=BUCKET)
+
+
+def _inject(job: subprocess.Popen[bytes], faults: list[Fault], run_dir: Path, recovered_after: int,
+            proxy: TcpProxy, outage_s: float, started: float) -> int:
+    """Fire each fault at its step, once the one before it has recovered; then wait for the job's exit code."""
+    def wait_for(predicate: Callable[[], T | None], what: str) -> T:
+        deadline = time.monotonic() + FAULT_TIMEOUT_S
+        while (value := predicate()) is None or value is False:
+            if job.poll() is not None:
+                raise RuntimeError(f"bench chaos: the job exited ({job.returncode}) waiting for {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench chaos: no {what} in {FAULT_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)
+        return value
+
+    for fault in faults:
+        wait_for(lambda f=fault: _step(run_dir) >= f.step, f"step {fault.step}")
+        fired = time.perf_counter()
+        fault.fired_at_s, fault.fired_at_step = round(fired - started, 1), _step(run_dir)
+        print(f"bench chaos: {fault.kind} at step {fault.fired_at_step}", file=sys.stderr, flush=True)
+        if fault.kind == "s3":
+            proxy.cut()
+            time.sleep(outage_s)
+            proxy.restore()
+        else:
+            pid = wait_for(lambda f=fault: _child(job.pid, f.kind), f"a live {fault.kind}")
+            os.kill(pid, signal.SIGKILL)
+        target = min(fault.fired_at_step + recovered_after, _max_steps(run_dir))
+        wait_for(lambda n=target: _step(run_dir) >= n, f"recovery from the {fault.kind} fault")
+        fault.recovery_s = round(time.perf_counter() - fired, 1)
+    return job.wait()
+
+
+def _step(run_dir: Path) -> int:
+    """The newest step in metrics.jsonl (read from its tail: the file grows to megabytes)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            return int(json.loads(line)["step"])
+    return 0
+
+
+def _max_steps(run_dir: Path) -> int:
+    return int(json.loads((run_dir / "config.json").read_text())["trainer"]["max_steps"])
+
+
+def _child(parent: int, kind: str) -> int | None:
+    """The pid of the launcher's live child of `kind`: a service (`jetroll.services.cli <kind>`) or the Redis."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # the state and ppid follow the parenthesised comm, which may hold spaces
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) != parent or state == "Z":
+            continue
+        if kind == "redis" and re.search(rb"redis-server", args[0]):
+            return int(entry.name)
+        if b"jetroll.services.cli" in args and args[args.index(b"jetroll.services.cli") + 1] == kind.encode():
+            return int(entry.name)
+    return None
+
+
+def audit(config: JobConfig, job_id: str, run_dir: Path) -> dict[str, Any]:
+    """Admitted, trained once, trained twice, dropped (by reason) and lost, from the store's step records and the
+    summary; and the summary's accuracies."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    store = setup_store(config.store, job_id, run_dir)
+    records = asyncio.run(store.step_records())
+    times_trained = Counter(group for record in records for group in record.groups)
+    dropped = summary["dropped_by_status"]
+    admitted = summary["groups_admitted"]
+    return {"steps": summary["steps"], "steps_recorded": len(records), "admitted": admitted,
+            "trained_once": sum(n == 1 for n in times_trained.values()),
+            "trained_twice": sum(n > 1 for n in times_trained.values()),
+            "dropped": sum(dropped.values()), "dropped_by_status": dropped,
+            "lost": admitted - len(times_trained) - sum(dropped.values()),
+            "ledger_trained": sum(summary["groups_trained_by_task"].values()),
+            "accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
+            "job_wall_s": summary["wall_time_s"]}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for row in result["rows"]:
+        faults = Table(title=f"chaos: seed {row['seed']}, {row['steps']} steps, {row['wall_s'] / 60:.1f} min")
+        for column in ("fault", "at step", "at s", "recovery s"):
+            faults.add_column(column, justify="right")
+        for f in row["faults"]:
+            faults.add_row(f["kind"], str(f["fired_at_step"]), f"{f['fired_at_s']:.0f}", f"{f['recovery_s']:.1f}")
+        console.print(faults)
+        console.print(f"admitted {row['admitted']}, trained once {row['trained_once']}, dropped {row['dropped']} "
+                      f"{row['dropped_by_status']}, trained twice {row['trained_twice']}, lost {row['lost']}; "
+                      f"held-out accuracy {row['accuracy_before']:.1%} -> {row['accuracy_after']:.1%}")
