@@ -80,7 +80,7 @@ class Engine:
         self, model: CausalLM, eos_id: int, max_batch: int, max_len: int, seed: int = 0, compile: bool = False
     ) -> None:
         self.model = model.eval()
-        self.eos_id = eos_id
+        self.stop_ids = frozenset((eos_id, *model.args.eos_token_ids))  # every eos id the checkpoint names
         self.max_batch = max_batch
         self.max_len = min(max_len, model.args.max_position_embeddings)
         self.cache = KVCache(model.args, max_batch, self.max_len)
@@ -289,7 +289,7 @@ class Engine:
             request.output_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)
-            if token == self.eos_id and not request.ignore_eos:
+            if token in self.stop_ids and not request.ignore_eos:
                 request.finish_reason = "stop"
             elif len(request.output_ids) >= request.max_new_tokens or request.num_tokens >= self.max_len:
                 request.finish_reason = "length"

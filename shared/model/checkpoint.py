@@ -3,6 +3,7 @@ and the tokenizer files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import PrecisionLinear, quantization_config
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def save_pretrained(
@@ -41,31 +44,62 @@ def save_pretrained(
                     ignored.append(name)
         if (quantization := quantization_config(publish, ignored)) is not None:
             config["quantization_config"] = quantization
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(directory)
 
 
 def load_pretrained(directory: str | Path, precision: Precision | None = None) -> tuple[CausalLM, Tokenizer]:
-    """Load any HF-format Qwen2/Llama directory (safetensors shards, fp32/bf16 or block-FP8) into a CausalLM on the
-    CPU: fp32 masters, and FP8 linears keep their published e4m3 values and scales."""
+    """Load an HF-format Qwen2, Qwen3 or Llama directory (one safetensors file, or the shards its index maps;
+    fp32/bf16 or block-FP8) into a CausalLM on the CPU: fp32 masters, and FP8 linears keep their published e4m3
+    values and scales. generation_config.json adds its eos ids (config.json then lists them all); its sampling
+    settings are not read: the job's `rollout` section decides how rollout samples."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
     hf_config = json.loads(config_path.read_text())
-    args = ModelArgs.from_hf(hf_config)
+    try:
+        args = ModelArgs.from_hf(hf_config)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{config_path}: {exc}") from None
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id") or []
+        extra = [i for i in (eos if isinstance(eos, list) else [eos]) if i not in args.eos_token_ids]
+        args = dataclasses.replace(args, extra_eos_token_ids=(*args.extra_eos_token_ids, *extra))
     model = CausalLM(args, precision)
     block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
     if block is not None and list(block) != [model.precision.weight_block] * 2:
         raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "
                          f"{model.precision.weight_block}")
-    shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
-    load_state(model, {k: v for shard in shards for k, v in load_file(str(shard)).items()})
+    load_state(model, read_weights(directory))
     return model, load_tokenizer(directory)
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `model.safetensors`, or of the shards `model.safetensors.index.json` maps, each where the map
+    says; a file the map does not name, a tensor it puts elsewhere or leaves out, is refused."""
+    index = directory / INDEX
+    files = {p.name for p in directory.glob("*.safetensors")}
+    if not index.is_file():
+        if files != {WEIGHTS}:
+            raise FileNotFoundError(f"{directory} needs {WEIGHTS}, or an {INDEX} for its shards; it holds "
+                                    f"{sorted(files) or 'no *.safetensors'}")
+        return load_file(str(directory / WEIGHTS))
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    if stray := sorted(files - set(weight_map.values())):
+        raise ValueError(f"{directory}: {stray} are not in {INDEX}'s weight map")
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(set(weight_map.values())):
+        for key, tensor in load_file(str(directory / name)).items():
+            if weight_map.get(key) != name:
+                raise ValueError(f"{directory / name} holds {key}, which {INDEX} puts in {weight_map.get(key)}")
+            state[key] = tensor
+    if missing := sorted(set(weight_map) - set(state)):
+        raise ValueError(f"{directory}: {INDEX} maps {missing[:5]} to shards that do not hold them")
+    return state
 
 
 def load_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,5 @@
-"""A compact Qwen2/Llama-compatible causal LM (RMSNorm, RoPE, GQA, SwiGLU); its HF-format I/O is checkpoint.py.
+"""A compact Qwen2/Qwen3/Llama-compatible causal LM (RMSNorm, RoPE and its scaled variants, GQA, SwiGLU, Qwen3's
+per-head q/k norm); its HF-format I/O is checkpoint.py.
 
 The trainer's full-sequence forward and the rollout engine's KV-cache decode run the same modules;
 every block linear goes through `precision.py`. On the exact backend, no-grad passes run every op on the log-prob
@@ -20,6 +21,7 @@ from jetroll.shared.model.precision import (
     is_inference,
     use_exact,
 )
+from jetroll.shared.model.rope import inv_freq_and_scale
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D]
 
@@ -66,12 +68,16 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, precision: Precision) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        kv_dim = args.num_kv_heads * args.head_dim
-        self.q_proj = PrecisionLinear(args.hidden_size, args.hidden_size, args.attention_bias, precision, "q_proj")
+        q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = PrecisionLinear(args.hidden_size, q_dim, args.attention_bias, precision, "q_proj")
         self.k_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision, "k_proj")
         self.v_proj = PrecisionLinear(args.hidden_size, kv_dim, args.attention_bias, precision, "v_proj")
-        self.o_proj = PrecisionLinear(args.hidden_size, args.hidden_size, False, precision, "o_proj")
+        self.o_proj = PrecisionLinear(q_dim, args.hidden_size, False, precision, "o_proj")
         self.qkv = InferenceWeights(self.q_proj, self.k_proj, self.v_proj)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, precision)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, precision)
+        self.qk_norm = args.qk_norm
         self.precision = precision
         self.scale = args.head_dim**-0.5
 
@@ -91,6 +97,8 @@ class Attention(nn.Module):
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         qk, v = self._qkv(x)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :, : self.num_heads]), self.k_norm(qk[:, :, self.num_heads :])), dim=2)
         qk = apply_rope(qk, *rope)
         q, k = qk[:, :, : self.num_heads], qk[:, :, self.num_heads :]
         if use_exact(self.precision):
@@ -227,12 +235,15 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+        inv_freq, scale = inv_freq_and_scale(args.head_dim, args.rope_theta, args.rope_scaling,
+                                             args.max_position_embeddings)
         freqs = torch.arange(args.max_position_embeddings).float()[:, None] * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]: a table over every position the model takes
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:  # yarn's attention factor scales cos and sin
+            cos, sin = cos * scale, sin * scale
         half = emb.shape[-1] // 2
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
     def _rope(self, positions: torch.Tensor) -> Rope:

@@ -10,13 +10,17 @@ from tokenizers import Tokenizer as HFTokenizer
 
 CHARSET = "0123456789+-=*/:;,.?!()[] abcdefghijklmnopqrstuvwxyz\n"
 SPECIAL_TOKENS = ("<pad>", "<eos>")
+# besides tokenizer.json: what a checkpoint ships for its tokenizer, kept byte for byte through every publish
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class Tokenizer:
     """A thin wrapper over `tokenizers.Tokenizer` with the ids the engine and trainer need."""
 
-    def __init__(self, tokenizer: HFTokenizer, eos_token: str, pad_token: str | None = None) -> None:
+    def __init__(self, tokenizer: HFTokenizer, eos_token: str, pad_token: str | None = None,
+                 files: dict[str, str] | None = None) -> None:
         self.backend = tokenizer
+        self.files = dict(files or {})  # the tokenizer-side files it was loaded with, written back as they were
         self.eos_token = eos_token
         self.pad_token = pad_token or eos_token
         eos_id = tokenizer.token_to_id(eos_token)
@@ -37,6 +41,8 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, directory: str | Path) -> None:
+        """tokenizer.json, and the other tokenizer files as loaded (the chat template among them), so every
+        version published from a checkpoint keeps them; a tokenizer built here gets a tokenizer_config.json."""
         directory = Path(directory)
         self.backend.save(str(directory / "tokenizer.json"))
         meta = {
@@ -45,7 +51,8 @@ class Tokenizer:
             "pad_token": self.pad_token,
             "model_max_length": 1 << 30,
         }
-        (directory / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
+        for name, text in {"tokenizer_config.json": json.dumps(meta, indent=2), **self.files}.items():
+            (directory / name).write_text(text)
 
 
 def build_char_tokenizer() -> Tokenizer:
@@ -67,8 +74,8 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
     backend = HFTokenizer.from_file(str(path))
-    meta_path = model_dir / "tokenizer_config.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    files = {name: (model_dir / name).read_text() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+    meta = json.loads(files.get("tokenizer_config.json", "{}"))
     eos = meta.get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
@@ -78,4 +85,4 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     pad = meta.get("pad_token")
     if isinstance(pad, dict):
         pad = pad.get("content")
-    return Tokenizer(backend, eos_token=eos, pad_token=pad)
+    return Tokenizer(backend, eos_token=eos, pad_token=pad, files=files)
