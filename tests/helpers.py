@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -54,3 +57,46 @@ def ended(task: asyncio.Task[Any]) -> Callable[[], str]:
         return "the task stopped"
 
     return why
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value of every scalar in the TensorBoard event files under `directory` (TFRecord framing:
+    length, its crc, the Event proto, its crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(directory.rglob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def wandb_history(directory: Path) -> list[dict[str, Any]]:
+    """The history rows of the offline W&B runs under `directory`, read from their `.wandb` files: a 7-byte header,
+    then LevelDB log records (32 KiB blocks; each record a crc, a length, a type: full, first, middle or last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(directory.rglob("offline-run-*/run-*.wandb")):
+        data, pos, pieces, records = path.read_bytes(), 7, b"", []
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if left < 7 or (length == 0 and kind == 0):  # a block's padding
+                pos += left
+                continue
+            pieces, pos = pieces + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # full, or the last piece
+                records.append(pieces)
+                pieces = b""
+        for raw in records:
+            record = wandb_internal_pb2.Record.FromString(raw)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows

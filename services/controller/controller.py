@@ -11,6 +11,7 @@ from pathlib import Path
 
 from jetroll.services.controller.progress import MetricsBook, ProgressView, plot_curves
 from jetroll.services.controller.routing import route_tasks
+from jetroll.services.controller.sinks import MetricSinks
 from jetroll.services.rollout.evaluate import evaluate
 from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.job import JobConfig
@@ -85,6 +86,7 @@ class Controller:
         self.limits = EventLimits.of(config, self.tokenizer.vocab_size)
         self.is_metric = expecting(MetricsEvent, lambda event: check_metrics(event, self.limits))
         self.book = MetricsBook(run_dir)
+        self.sinks = MetricSinks(config, run_dir)
         self.ledger = Ledger(bus)
         self.in_flight = InFlightIndex(bus)
         self.version = 0
@@ -121,6 +123,7 @@ class Controller:
                                                          count=1000, check=self.is_metric)
                 for event in events:
                     if isinstance(event, MetricsEvent) and (row := self.book.add(event)) is not None:
+                        self.sinks.write_row(row)
                         view.stream_lags = await self._stream_lags()
                         view.update(row)
                 if time.monotonic() - trimmed_at >= METRICS_TRIM_EVERY_S:
@@ -148,6 +151,7 @@ class Controller:
                                 memory) | {"dead_letters": dead_letter_counts(await self.bus.read_dlq())}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
+        self.sinks.close()
         return summary
 
     async def _poll_latest(self) -> list[int]:
@@ -238,6 +242,7 @@ class Controller:
 
         accuracy = await asyncio.to_thread(run)
         self.book.evals.append({"version": version, **accuracy})
+        self.sinks.write_eval(version, accuracy)
         with (self.run_dir / "eval.jsonl").open("a") as f:
             f.write(json.dumps({"version": version, **accuracy}) + "\n")
         log.info("held-out accuracy at v%d: %s", version, accuracy)

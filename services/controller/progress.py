@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -149,9 +150,11 @@ def plot_curves(book: MetricsBook, tasks: list[str], path: Path) -> None:
     fig, (ax_reward, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in book.rows]
     for task in tasks:
-        ax_reward.plot(steps, [r.get(f"reward/{task}", float("nan")) for r in book.rows], label=task)
-        ax_acc.plot(steps, [r.get(f"accuracy/{task}", float("nan")) for r in book.rows], alpha=0.5,
-                    label=f"{task} (train batch)")
+        for ax, name in ((ax_reward, "reward"), (ax_acc, "accuracy")):
+            raw = [r.get(f"{name}/{task}", float("nan")) for r in book.rows]
+            (line,) = ax.plot(steps, raw, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, smoothed(raw), color=line.get_color(),
+                    label=task if name == "reward" else f"{task} (train batch)")
         ax_acc.plot([e["version"] for e in book.evals], [e.get(task, float("nan")) for e in book.evals], "o-",
                     label=f"{task} (held-out, greedy)")
     ax_reward.set(title="reward", xlabel="step")
@@ -162,3 +165,14 @@ def plot_curves(book: MetricsBook, tasks: list[str], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def smoothed(values: list[float]) -> list[float]:
+    """A trailing mean over about 2% of the series (at least 1 step), NaNs skipped: the curve drawn over the raw
+    values."""
+    window = max(1, len(values) // 50)
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i + 1 - window):i + 1] if not math.isnan(v)]
+        out.append(sum(recent) / len(recent) if recent else float("nan"))
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
@@ -32,6 +32,16 @@ class EvalConfig(Strict):
     every_steps: int = Field(0, ge=0, description="also evaluate every N steps (0: start and end only)")
 
 
+class MetricsConfig(Strict):
+    sinks: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="where the controller writes metrics besides metrics.jsonl (always "
+        "written): `tensorboard` (event files in <run-dir>/tensorboard; needs tensorboardX) and `wandb` (a run in "
+        "<run-dir>/wandb; needs wandb), under the names of docs/metrics.md")
+    wandb_project: str = Field("jetroll", min_length=1, description="the W&B project of the wandb sink")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline writes the W&B run to disk only (`wandb sync` uploads it later)")
+
+
 class JobConfig(Strict):
     """A whole RL job. Every service reads the same validated config."""
 
@@ -51,6 +61,7 @@ class JobConfig(Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @model_validator(mode="after")

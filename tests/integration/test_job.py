@@ -21,8 +21,9 @@ from typing import Any
 import msgspec
 import pytest
 import redis
-from helpers import JETROLL, T, wait_until
+from helpers import JETROLL, T, tensorboard_scalars, wait_until, wandb_history
 
+from jetroll.services.controller.sinks import scheme_name
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config
@@ -332,7 +333,8 @@ def test_bad_events_on_every_stream_are_dead_lettered(start_job: Callable[..., J
 
 
 def test_smoke_fp8_unified(start_job: Callable[..., Job]) -> None:
-    job = start_job("precision.mode=fp8_unified", "eval.every_steps=2")
+    """Also the metric sinks: every metrics.jsonl column and each evaluation reach TensorBoard and W&B (offline)."""
+    job = start_job("precision.mode=fp8_unified", "eval.every_steps=2", "metrics.sinks=[tensorboard, wandb]")
     assert job.wait() == 0, job.stderr()
     summary = check_summary(job, max_steps=4)
     evals = [json.loads(line) for line in (job.run_dir / "eval.jsonl").read_text().splitlines()]
@@ -340,6 +342,20 @@ def test_smoke_fp8_unified(start_job: Callable[..., Job]) -> None:
     assert summary["precision"] == "fp8_unified"
     # the same FP8 tensors on both sides: the trainer matches the rollout at the same version
     assert summary["mismatch_mean_abs_logprob"] < 1e-3
+    rows = job.metrics()
+    scalars = tensorboard_scalars(job.run_dir / "tensorboard")
+    history = wandb_history(job.run_dir / "wandb")
+    for row in rows:
+        logged = next(h for h in history if h.get("_step") == row["step"] and "timing/step_s" in h)
+        for key, value in row.items():
+            if key != "step" and not math.isnan(value):
+                assert scalars[scheme_name(key)][row["step"]] == pytest.approx(value, rel=1e-6), key
+                assert logged[scheme_name(key)] == pytest.approx(value), key
+    assert scalars["timing/step_s"].keys() == {1, 2, 3, 4} and "reward/mean" in scalars and "actor/lr" in scalars
+    assert {v: a for v, a in scalars["eval/accuracy/arithmetic"].items()} == {e["version"]: pytest.approx(
+        e["arithmetic"]) for e in evals}
+    assert [h["eval/accuracy/arithmetic"] for h in history if "eval/accuracy/arithmetic" in h] == \
+        pytest.approx([e["arithmetic"] for e in evals])
 
 
 def test_smoke_fp8_unified_exact_has_zero_mismatch(start_job: Callable[..., Job]) -> None:
