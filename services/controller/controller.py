@@ -15,6 +15,7 @@ from jetroll.services.controller.sinks import MetricSinks
 from jetroll.services.rollout.evaluate import evaluate
 from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.job import JobConfig
+from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
@@ -83,6 +84,7 @@ class Controller:
         self.task_of_group: dict[str, str] = {}  # admitted groups, for the per-task in-flight caps
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
+        self.prompts = PromptFormat.of(config.model, self.tokenizer)
         self.limits = EventLimits.of(config, self.tokenizer.vocab_size)
         self.is_metric = expecting(MetricsEvent, lambda event: check_metrics(event, self.limits))
         self.book = MetricsBook(run_dir)
@@ -205,7 +207,7 @@ class Controller:
             events.append(GroupEvent(
                 job_id=self.config.job_id, group_id=group_id(index), task=task.name,
                 pool=self.pool_of_task[task.name], prompt=problem.prompt,
-                prompt_ids=Array.of(self.tokenizer.encode(problem.prompt), "<i4"),
+                prompt_ids=Array.of(self.prompts.ids(problem.prompt), "<i4"),
                 answer=problem.answer, group_size=self.config.trainer.group_size,
                 max_new_tokens=self.config.rollout.sample_budget(task.max_new_tokens), v_adm=self.version,
                 min_version=self.version if is_sync else 0))
@@ -238,7 +240,7 @@ class Controller:
 
         def run() -> dict[str, float]:
             model, tokenizer = load_pretrained(directory, self.config.precision.numerics())
-            return evaluate(model, tokenizer, self.task_names, self.config.eval.num_problems)
+            return evaluate(model, tokenizer, self.task_names, self.config.eval.num_problems, prompts=self.prompts)
 
         accuracy = await asyncio.to_thread(run)
         self.book.evals.append({"version": version, **accuracy})

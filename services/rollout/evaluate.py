@@ -9,6 +9,7 @@ import asyncio
 from jetroll.functions.runner import get_reward
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.turns import TurnRunner, run_episodes
+from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem, Task
@@ -20,21 +21,23 @@ ENV_TIMEOUT_S = 10.0
 
 def greedy_completions(
     model: CausalLM, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int, max_batch: int = 256,
-    task: Task | None = None,
+    task: Task | None = None, prompts: PromptFormat | None = None,
 ) -> list[str]:
-    """Greedy (temperature 0) completions of the problems' prompts, decoded without special tokens; for a
-    multi-turn `task`, whole transcripts (model turns and the environment's observations)."""
+    """Greedy (temperature 0) completions of the problems' prompts (formatted as the job formats them), decoded
+    without special tokens; for a multi-turn `task`, whole transcripts (model turns and the environment's
+    observations)."""
     if not problems:
         return []
-    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    prompt_format = prompts or PromptFormat(tokenizer)
+    prompts_ids = [prompt_format.ids(p.prompt) for p in problems]
     multi_turn = task is not None and is_multi_turn(task)
     turn_end_id = tokenizer.encode(task.turn_end)[0] if multi_turn else None
     requests = [
         Request(request_id=str(i), prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0,
                 turn_end_id=turn_end_id)
-        for i, ids in enumerate(prompts)
+        for i, ids in enumerate(prompts_ids)
     ]
-    max_len = max(len(ids) for ids in prompts) + max_new_tokens + 1
+    max_len = max(len(ids) for ids in prompts_ids) + max_new_tokens + 1
     was_training = model.training
     engine = Engine(model, tokenizer.eos_id, max_batch=min(max_batch, len(requests)), max_len=max_len)
     if multi_turn:
@@ -54,18 +57,20 @@ async def _episodes(engine: Engine, tokenizer: Tokenizer, task: Task, requests: 
 
 
 def accuracy_on(
-    model: CausalLM, tokenizer: Tokenizer, task: Task, problems: list[Problem], max_batch: int = 256
+    model: CausalLM, tokenizer: Tokenizer, task: Task, problems: list[Problem], max_batch: int = 256,
+    prompts: PromptFormat | None = None,
 ) -> float:
     """The fraction of `problems` of `task` whose greedy completion its reward calls correct."""
     reward_fn = get_reward(task.reward)
-    completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch, task)
+    completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch, task, prompts)
     num_correct = sum(reward_fn(c, p.answer).correct for c, p in zip(completions, problems, strict=True))
     return num_correct / max(len(problems), 1)
 
 
 def evaluate(
-    model: CausalLM, tokenizer: Tokenizer, task_names: list[str], num_problems: int, max_batch: int = 256
+    model: CausalLM, tokenizer: Tokenizer, task_names: list[str], num_problems: int, max_batch: int = 256,
+    prompts: PromptFormat | None = None,
 ) -> dict[str, float]:
     """Held-out greedy accuracy per task: the fraction of `task.heldout(num_problems)` whose reward says correct."""
-    return {name: accuracy_on(model, tokenizer, get_task(name), get_task(name).heldout(num_problems), max_batch)
-            for name in task_names}
+    return {name: accuracy_on(model, tokenizer, get_task(name), get_task(name).heldout(num_problems), max_batch,
+                              prompts) for name in task_names}

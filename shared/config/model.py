@@ -58,6 +58,16 @@ class ModelConfig(Strict):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
     tie_word_embeddings: bool = Field(True, description="share the embedding and lm_head weights")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    chat_template: bool = Field(False, description="render each task prompt as a user message through the model's "
+                                "chat template (with the generation prompt); false feeds the prompt as it is")
+    system_prompt: str | None = Field(None, min_length=1, description="a system message before each prompt "
+                                      "(needs chat_template: true)")
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_a_template(self) -> ModelConfig:
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("model.system_prompt needs model.chat_template: true (a system message needs a template)")
+        return self
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

@@ -75,7 +75,12 @@ def load_pretrained(directory: str | Path, precision: Precision | None = None) -
         raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "
                          f"{model.precision.weight_block}")
     load_state(model, read_weights(directory))
-    return model, load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only "
+                         f"{args.vocab_size} rows")
+    model.mask_ids_past(tokenizer.vocab_size)
+    return model, tokenizer
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:

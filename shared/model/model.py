@@ -243,6 +243,7 @@ class CausalLM(nn.Module):
         if scale != 1.0:  # yarn's attention factor scales cos and sin
             cos, sin = cos * scale, sin * scale
         half = emb.shape[-1] // 2
+        self.no_string: torch.Tensor | None = None  # [V] ids the tokenizer has no string for (mask_ids_past)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
@@ -299,8 +300,16 @@ class CausalLM(nn.Module):
         for layer, view in zip(self.model.layers, views, strict=True):
             x = layer(x, rope, view, attn_mask)
         if use_exact(self.precision):
-            return exact.fp32_linear(self.model.norm(x), self.lm_head.weight)
-        return self.lm_head(self.model.norm(x)).float()
+            logits = exact.fp32_linear(self.model.norm(x), self.lm_head.weight)
+        else:
+            logits = self.lm_head(self.model.norm(x)).float()
+        return logits if self.no_string is None else logits.masked_fill(self.no_string, float("-inf"))
+
+    def mask_ids_past(self, num_tokens: int) -> None:
+        """Embedding rows past the tokenizer's `num_tokens` have no string: their logits are -inf in every pass, so
+        rollout never samples them and the trainer's log-probs and loss never count them."""
+        if num_tokens < self.args.vocab_size:
+            self.no_string = torch.arange(self.args.vocab_size) >= num_tokens
 
     def refresh_inference_weights(self) -> None:
         """Re-round and repack every inference GEMM weight now (a compiled decode cannot notice a swap)."""

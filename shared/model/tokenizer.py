@@ -31,6 +31,26 @@ class Tokenizer:
         self.pad_id = eos_id if pad_id is None else pad_id
 
     @property
+    def chat_template(self) -> str | None:
+        """The template the checkpoint ships: chat_template.jinja, else tokenizer_config.json's `chat_template`
+        (a string, or named templates of which `default` is the one)."""
+        if "chat_template.jinja" in self.files:
+            return self.files["chat_template.jinja"]
+        template = json.loads(self.files.get("tokenizer_config.json", "{}")).get("chat_template")
+        if isinstance(template, list):
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, pad_token ... as tokenizer_config.json names them: a chat template's variables."""
+        meta = json.loads(self.files.get("tokenizer_config.json", "{}"))
+        tokens = {"eos_token": self.eos_token, "pad_token": self.pad_token}
+        for key, value in meta.items():
+            if key.endswith("_token") and value is not None:
+                tokens[key] = value.get("content", "") if isinstance(value, dict) else value
+        return tokens
+
+    @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size()
 

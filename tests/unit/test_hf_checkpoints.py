@@ -21,7 +21,7 @@ from jetroll.shared.model.tokenizer import build_char_tokenizer
 TOKENIZER = build_char_tokenizer()
 ORIGINAL_CONTEXT = 16  # small, so the test's 48 positions run well past it
 SEQ = 48
-SHAPE = {"vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+SHAPE = {"vocab_size": TOKENIZER.vocab_size, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 64, "rope_theta": 500.0,
          "eos_token_id": 1, "initializer_range": 0.15}  # large enough weights that attention, so RoPE, matters
 CONFIGS = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
@@ -65,7 +65,7 @@ def jetroll_logprobs(directory: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def token_ids() -> torch.Tensor:
-    return torch.randint(2, SHAPE["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(1))
+    return torch.randint(2, TOKENIZER.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
