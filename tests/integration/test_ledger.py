@@ -13,12 +13,14 @@ from test_staleness import job_config, model_dir, scored, stop, until  # noqa: F
 
 from jetroll.services.controller.controller import Controller
 from jetroll.services.trainer.trainer import Trainer
+from jetroll.shared.config.job import JobConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import WeightsPublishedEvent, decode
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome, admission_index, group_id
 from jetroll.shared.protocol.topology import IN_FLIGHT
 from jetroll.shared.store import setup_store
+from jetroll.shared.store.base import Manifest, WeightStore
 
 pytestmark = pytest.mark.integration
 
@@ -98,6 +100,14 @@ def test_trainer_acks_a_redelivered_copy_of_a_folded_group(model_dir: Path, redi
     assert lag == 0  # the copy was acked
 
 
+async def publish_versions(store: WeightStore, config: JobConfig, weights: Path, count: int) -> Manifest:
+    """Versions 0..count-1 of `weights` in the store, each the child of the one before; the last's manifest."""
+    for version in range(count):
+        manifest = await store.publish(version, version, weights, precision_id=config.precision.precision_id,
+                                       dtype="float32", parent=version - 1 if version else None)
+    return manifest
+
+
 def test_a_restarted_controller_counts_drops_from_the_ledger(model_dir: Path, redis_url: str,  # noqa: F811
                                                              tmp_path: Path) -> None:
     """An earlier life admitted 12 groups; the trainer trained 4 at step 1 and dropped 3; no metrics are left (the
@@ -111,9 +121,7 @@ def test_a_restarted_controller_counts_drops_from_the_ledger(model_dir: Path, re
     async def scenario() -> int:
         bus = RedisBus(redis_url, job)
         store = setup_store(config.store, job, tmp_path)
-        for version in (0, 1):
-            manifest = await store.publish(version, version, model_dir, precision_id=config.precision.precision_id,
-                                           dtype="float32", parent=version - 1 if version else None)
+        manifest = await publish_versions(store, config, model_dir, 2)
         await bus.publish("weights", WeightsPublishedEvent(
             job_id=job, version=1, step=1, manifest_uri=store.uri(1),
             shard_sha256={s.key: s.sha256 for s in manifest.shards}, size_bytes=0, precision_id=manifest.precision_id))
@@ -177,9 +185,7 @@ def test_a_controller_hears_of_a_version_whose_weights_event_was_lost(model_dir:
     async def scenario() -> dict:
         bus = RedisBus(redis_url, job)
         store = setup_store(config.store, job, tmp_path)
-        for version in (0, 1, 2):
-            await store.publish(version, version, model_dir, precision_id=config.precision.precision_id,
-                                dtype="float32", parent=version - 1 if version else None)
+        await publish_versions(store, config, model_dir, 3)
         try:
             return await asyncio.wait_for(Controller(config, bus, store, tmp_path).run(), timeout=60)
         finally:
