@@ -8,15 +8,23 @@ Exactly once per call: a request carries a result `key`. The first outcome is ke
 `{key}:reply`, where the router waits. A redelivered task (acks_late: its worker died mid-task) finds the kept
 outcome and returns it instead of scoring again; a call whose worker dies on every run ends as an error after
 MAX_RUNS runs instead of being redelivered forever.
+
+A worker exits (code 1) when it loses its broker after it connected: run it under a supervisor that restarts it (the
+launcher, `restart:` in compose). At start it waits for the broker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 from typing import Any
 
+from billiard.process import active_children
 from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.worker.consumer import Consumer
 
 from jetroll.functions.runner import call_reward, import_reward_modules
 from jetroll.shared.protocol.call_records import CeleryRecords
@@ -24,6 +32,24 @@ from jetroll.shared.protocol.call_records import CeleryRecords
 TASK_NAME = "jetroll.reward"
 DEFAULT_QUEUE = "jetroll.reward"
 MAX_RUNS = 3
+log = logging.getLogger("jetroll.celery")
+
+
+class ExitOnBrokerLoss(Consumer):
+    """A worker that loses its broker after it connected kills its pool and exits (code 1); its supervisor restarts it
+    clean. Nothing is lost: its tasks are unacked (acks_late), and the router sends its calls again.
+
+    Celery's own ways out all hang here: its reconnect blocks the loop that reads the pool's results, so when it
+    returns the time limits kill children whose tasks had finished (one cut mid-write wedges the pool), and both its
+    warm and its cold stop can deadlock against a child blocked writing a result to the pool's pipe."""
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        log.critical("lost the broker (%r): killing the pool and exiting, to be restarted clean", exc)
+        for child in active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+        logging.shutdown()
+        os._exit(1)
 
 
 def make_app(
@@ -43,6 +69,7 @@ def make_app(
     app = Celery("jetroll", broker=broker_url, set_as_current=False)
     app.conf.update(
         broker_connection_retry_on_startup=True,
+        worker_consumer=f"{__name__}:ExitOnBrokerLoss",
         # A message unacked this long is handed to another worker: above the hard limit, so a live task never is.
         broker_transport_options={
             "visibility_timeout": visibility_timeout_s,

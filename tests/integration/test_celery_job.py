@@ -82,10 +82,11 @@ def test_a_separate_broker_down_for_30_s_loses_no_reward(tmp_path: Path, redis_u
     finally:
         stop(job)
         broker.stop()
-    # only the Celery worker may die: kombu's Redis transport can crash restoring unacked messages on a lost
-    # connection ("'NoneType' object has no attribute 'hostname'"), and the launcher restarts it
+    # only the Celery worker dies: it stops cold on the lost broker (ExitOnBrokerLoss), and the launcher restarts it
     deaths = [line for line in job.stderr().splitlines() if " died " in line]
-    assert all("service celery-worker died" in line and "restart" in line for line in deaths), deaths
+    assert deaths, "the Celery worker outlived its broker"
+    assert all("service celery-worker died (exit 1)" in line and "restart" in line for line in deaths), deaths
+    assert "lost the broker" in job.service_log("celery-worker")
     audit_ledger(redis_url, job_id, max_steps=max_steps, groups_per_step=4, group_size=4)
     client = redis.Redis.from_url(redis_url)
     try:
