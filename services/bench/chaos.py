@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from jetroll.services.bench.store import moto_server
 from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, load_config
@@ -41,6 +42,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/chaos")
 FAULTS = ("trainer", "trainer", "rollout", "reward", "controller", "redis", "s3")
 BUCKET = "jetroll-chaos"
+PREFIX = "runs"  # the store adds the job id below it
 MOTO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos", "AWS_DEFAULT_REGION": "us-east-1"}
 FAULT_TIMEOUT_S = 600.0  # a fault that has not recovered in this long fails the run
 T = TypeVar("T")
@@ -106,7 +108,7 @@ def run_one(config: JobConfig, seed: int, out: Path, overrides: list[str], outag
         proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 80).start()
         command = [sys.executable, "-m", "jetroll.services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
                    *(arg for item in [*overrides, f"seed={seed}", f"job_id={job_id}",
-                                      f"store.uri=s3://{BUCKET}/{job_id}", f"store.endpoint_url={proxy.url}"]
+                                      f"store.uri=s3://{BUCKET}/{PREFIX}", f"store.endpoint_url={proxy.url}"]
                      for arg in ("--set", item))]
         print(f"bench chaos: seed {seed}, {len(faults)} faults: "
               + ", ".join(f"{f.kind}@{f.step}" for f in faults), file=sys.stderr, flush=True)
@@ -128,7 +130,7 @@ def run_one(config: JobConfig, seed: int, out: Path, overrides: list[str], outag
         if code != 0:
             raise RuntimeError(f"bench chaos: the job failed (exit {code}); see {out / 'job.log'}")
         direct = config.model_copy(update={"store": config.store.model_copy(update={
-            "type": "s3", "uri": f"s3://{BUCKET}/{job_id}", "endpoint_url": endpoint})})
+            "type": "s3", "uri": f"s3://{BUCKET}/{PREFIX}", "endpoint_url": endpoint})})
         row = {"seed": seed, "faults": [asdict(f) for f in faults], "wall_s": round(wall_s, 1),
                **audit(direct, job_id, out / "run")}
     (out / "row.json").write_text(json.dumps(row, indent=2))
@@ -145,21 +147,17 @@ def _s3(endpoint: str | None) -> Iterator[tuple[str, dict[str, str]]]:
         yield endpoint, {}
         return
     try:
-        from moto.server import ThreadedMotoServer
+        import moto.server  # noqa: F401 - the server runs as a subprocess; this checks it is installed
     except ImportError:
         raise ConfigError("bench chaos needs an S3 endpoint for its store: pass --s3-endpoint URL, or install moto "
                           "(pip install 'moto[server]', in the dev extra)") from None
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
     saved = {name: os.environ.get(name) for name in MOTO_CREDENTIALS}
     os.environ.update(MOTO_CREDENTIALS)  # for the audit's own store client
     try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        _make_bucket(endpoint, MOTO_CREDENTIALS)
-        yield endpoint, MOTO_CREDENTIALS
+        with moto_server() as endpoint:
+            _make_bucket(endpoint, MOTO_CREDENTIALS)
+            yield endpoint, MOTO_CREDENTIALS
     finally:
-        server.stop()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

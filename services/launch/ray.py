@@ -4,7 +4,8 @@
   every replica runs one RolloutWorker that consumes `groups:<pool>` itself and pulls new weights itself;
   Serve keeps between `num_workers` and `max_workers` replicas by the pool's backlog and replaces a dead one;
 - the trainer and the reward router are Ray actors that Ray restarts up to `launch.max_restarts` times;
-- the controller runs in the driver (it owns the console); the job ends when it finishes.
+- the controller runs in the driver (it owns the console); the job ends when it finishes;
+- a Celery reward worker, when a task uses celery, runs beside the driver and is restarted like a local service.
 
 Redis carries everything between them, as in the local launcher; `jetroll:{job_id}:replicas` maps each live
 replica to the weight version it serves.
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
+from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.protocol.bus import RedisBus, RedisUnreachable, server_version
@@ -171,11 +173,7 @@ class RayJob:
         import ray
         from ray import serve
 
-        from jetroll.services.reward.backends import needs_celery_worker
-
         launch = self.config.launch
-        if needs_celery_worker(self.config.reward, [task.name for task in self.config.tasks]):
-            self.celery = _start_celery(self.config, self.redis_url, self.run_dir)
         service_actor = ray.remote(ServiceActor)
         for kind, num_cpus, num_gpus in (("trainer", launch.trainer_num_cpus, launch.trainer_num_gpus),
                                          ("reward", launch.reward_num_cpus, 0.0)):
@@ -206,11 +204,17 @@ class RayJob:
         services = {asyncio.wrap_future(actor.run.remote().future()): kind for kind, actor in self.actors.items()}
         controller = asyncio.create_task(self._controller())
         pending = {controller, *services}
+        celery = None
+        if needs_celery_worker(self.config.reward, [task.name for task in self.config.tasks]):
+            celery = asyncio.create_task(self._celery_worker())
+            pending.add(celery)
         try:
             while True:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if controller in done:
                     return controller.result()
+                if celery in done:  # a worker serves until stopped: it died for good
+                    return 1
                 for future in done:
                     if future.exception() is not None:  # done without error: the trainer finished its steps
                         print(f"jetroll: service {services[future]} died after {self.config.launch.max_restarts} "
@@ -218,8 +222,10 @@ class RayJob:
                               f"{self.run_dir / 'logs' / (services[future] + '.log')}", file=sys.stderr)
                         return 1
         finally:
-            controller.cancel()
-            await asyncio.gather(controller, return_exceptions=True)
+            ours = [task for task in (controller, celery) if task is not None]
+            for own in ours:
+                own.cancel()
+            await asyncio.gather(*ours, return_exceptions=True)
 
     async def _controller(self) -> int:
         from jetroll.services.launch.entrypoints import service_main
@@ -248,6 +254,27 @@ class RayJob:
         assert code is not None  # a life here always ends with a code
         return code
 
+    async def _celery_worker(self) -> int:
+        """The Celery reward worker beside the driver, restarted as the local launcher restarts it (a worker exits
+        when it loses its broker); returns once it is dead for good."""
+        lives = Lives("celery-worker", self.config.launch.max_restarts)
+
+        async def life(consumer: str) -> int:
+            self.celery = _start_celery(self.config, self.redis_url, self.run_dir, consumer)
+            while (code := self.celery.poll()) is None:
+                await asyncio.sleep(REPORT_S)
+            stop_processes([self.celery], groups=True)  # its pool children outlive the main process
+            return code
+
+        def on_death(consumer: str, code: int, is_restarted: bool) -> None:
+            what = f"restart {lives.num_restarts}/{lives.max_restarts}" if is_restarted else "giving up"
+            print(f"jetroll: service celery-worker died (exit {code}); {what}; see "
+                  f"{self.run_dir / 'logs' / 'celery-worker.log'}", file=sys.stderr)
+
+        code = await supervise(lives, life, on_death, may_finish=False)
+        assert code is not None
+        return code
+
     def stop(self) -> None:
         import ray
         from ray import serve
@@ -266,14 +293,14 @@ class RayJob:
             stop_processes([self.celery], groups=True)
 
 
-def _start_celery(config: JobConfig, redis_url: str, run_dir: Path) -> subprocess.Popen:
+def _start_celery(config: JobConfig, redis_url: str, run_dir: Path, consumer: str) -> subprocess.Popen:
     """The Celery reward worker runs beside the driver, as the local launcher runs it."""
     from jetroll.services.reward.celery_worker import start_worker_process
 
     reward = config.reward
     with (run_dir / "logs" / "celery-worker.log").open("ab") as out:
         return start_worker_process(reward, reward.celery_broker_url or redis_url,
-                                    f"jetroll-{config.job_id}-celery-worker@localhost", out)
+                                    f"jetroll-{config.job_id}-{consumer}@localhost", out)
 
 
 async def _clear_replicas(redis_url: str, job_id: str) -> None:

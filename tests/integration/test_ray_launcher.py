@@ -21,9 +21,19 @@ from pathlib import Path
 import pytest
 import redis
 from helpers import JETROLL
-from test_job import SMOKE, Job, audit_ledger, check_summary, model_path, service_logs, stop  # noqa: F401 - fixture
+from test_job import (  # noqa: F401 - fixture
+    SMOKE,
+    Job,
+    audit_ledger,
+    check_summary,
+    hold_streams,
+    model_path,
+    service_logs,
+    stop,
+)
 
 from jetroll.services.launch.redis_server import _free_port
+from jetroll.shared.protocol.events import decode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the `ray` extra is not installed")]
@@ -156,3 +166,44 @@ def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, mo
         # torn down on a cluster the job did not start: replicas deregistered, the app and the actors gone
         assert client.hlen(f"jetroll:{job_id}:replicas") == 0
         assert probe.ask("gone") == {"app": False, "actors": {"trainer": False, "reward": False}}
+
+
+def test_ray_launcher_restarts_a_dead_celery_worker(ray_cluster: str, tmp_path: Path, redis_url: str,
+                                                     model_path: str) -> None:  # noqa: F811
+    """The Celery reward worker beside the driver is supervised as a local service is: SIGKILLed (its whole group)
+    mid-job, it is restarted, and every trajectory is still scored `ok` by Celery."""
+    from test_celery_job import celery_worker_pids
+
+    job_id = f"r{uuid.uuid4().hex[:8]}"
+    hold_streams(redis_url, job_id, "traj:scored")
+    run_dir = tmp_path / job_id
+    max_steps = 6
+    cmd = [*JETROLL, "run", str(SMOKE), "--launcher", "ray", "--ray-address", ray_cluster,
+           "--redis-url", redis_url, "--run-dir", str(run_dir)]
+    for item in (f"model.path={model_path}", f"job_id={job_id}", f"trainer.max_steps={max_steps}",
+                 "rollout.pools=[{name: default, num_workers: 1, num_cpus: 0.25}]", "launch.reward_num_cpus=0.5",
+                 "reward.backend=celery", "reward.celery_concurrency=2"):
+        cmd += ["--set", item]
+    logs = {name: tmp_path / f"{job_id}.{name}" for name in ("stdout", "stderr")}
+    with logs["stdout"].open("wb") as out, logs["stderr"].open("wb") as err:
+        job = Job(job_id, run_dir, subprocess.Popen(cmd, stdout=out, stderr=err, cwd=tmp_path), logs)
+    try:
+        job.wait_until(lambda: len(job.metrics()) >= 2, "2 steps", 150)
+        first = celery_worker_pids(job_id)
+        assert first, "no Celery worker beside the driver"
+        for pid in first:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert job.wait() == 0, f"{job.stderr()}\n{service_logs(run_dir)}"
+    finally:
+        stop(job)
+    assert "service celery-worker died (exit -9); restart 1/" in job.stderr(), job.stderr()
+    check_summary(job, max_steps=max_steps)
+    audit_ledger(redis_url, job_id, max_steps=max_steps, groups_per_step=4, group_size=4)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        scored = [decode(fields[b"e"]) for _, fields in client.xrange(f"jetroll:{job_id}:traj:scored")]
+    finally:
+        client.close()
+    assert {(e.backend, e.status) for e in scored} == {("celery", "ok")}
+    assert not celery_worker_pids(job_id), "the launcher left Celery processes behind"
