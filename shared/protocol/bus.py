@@ -299,15 +299,23 @@ class RedisBus:
     async def lag(self, stream: str, group: str, *, scan_limit: int = 10_000) -> int:
         """Entries the group has not finished: never delivered plus delivered-but-unacked (pending).
 
-        Where the server gives no `lag` (6.2, or 7.x after deletions) the undelivered part is counted
-        with XRANGE and capped at `scan_limit`.
+        Where the server gives no `lag` (6.2, or 7.x after deletions), or one the stream cannot hold, the undelivered
+        part is counted with XRANGE and capped at `scan_limit`; a group that has read the newest entry has none. Redis
+        7.0 reloads a group's entries-read from its last AOF rewrite, not from the reads after it, so after a restart
+        its `lag` counts those reads again, forever: a producer waiting on it alone would wait for good.
         """
         key = self.key(stream)
         info = await self._group_info(stream, group)
         pending = int(info["pending"])
         unread = info.get("lag")
+        last_delivered = as_str(info["last-delivered-id"])
+        if unread is not None and int(unread) > 0:  # check it: cheap where it is right, exact where it is not
+            newest = await self.redis.xrevrange(key, count=1)
+            if not newest or _id_tuple(as_str(newest[0][0])) <= _id_tuple(last_delivered):
+                unread = 0  # the group has read every entry there is
+            elif int(unread) > await self.redis.xlen(key):
+                unread = None
         if unread is None:
-            last_delivered = as_str(info["last-delivered-id"])
             if last_delivered == "0-0":
                 unread = await self.redis.xlen(key)  # nothing delivered yet: every entry is unread
             else:
