@@ -171,7 +171,8 @@ def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, mo
 def test_ray_launcher_restarts_a_dead_celery_worker(ray_cluster: str, tmp_path: Path, redis_url: str,
                                                      model_path: str) -> None:  # noqa: F811
     """The Celery reward worker beside the driver is supervised as a local service is: SIGKILLed (its whole group)
-    mid-job, it is restarted, and every trajectory is still scored `ok` by Celery."""
+    mid-job, it is restarted, and every trajectory is still scored `ok` by Celery. The tasks the dead worker held come
+    back after the visibility timeout, shortened here to 20 s (above the 10 s hard limit)."""
     from test_celery_job import celery_worker_pids
 
     job_id = f"r{uuid.uuid4().hex[:8]}"
@@ -182,7 +183,7 @@ def test_ray_launcher_restarts_a_dead_celery_worker(ray_cluster: str, tmp_path: 
            "--redis-url", redis_url, "--run-dir", str(run_dir)]
     for item in (f"model.path={model_path}", f"job_id={job_id}", f"trainer.max_steps={max_steps}",
                  "rollout.pools=[{name: default, num_workers: 1, num_cpus: 0.25}]", "launch.reward_num_cpus=0.5",
-                 "reward.backend=celery", "reward.celery_concurrency=2"):
+                 "reward.backend=celery", "reward.celery_concurrency=2", "reward.celery_visibility_timeout_s=20"):
         cmd += ["--set", item]
     logs = {name: tmp_path / f"{job_id}.{name}" for name in ("stdout", "stderr")}
     with logs["stdout"].open("wb") as out, logs["stderr"].open("wb") as err:
