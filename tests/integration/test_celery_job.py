@@ -21,7 +21,7 @@ from test_job import (  # noqa: F401 - fixture
 )
 
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.shared.protocol.events import ScoredEvent, decode
+from jetroll.shared.protocol.events import AnyEvent, ScoredEvent, decode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,6 +39,15 @@ def celery_worker_pids(job_id: str) -> list[int]:
     return pids
 
 
+def scored_events(redis_url: str, job_id: str) -> list[AnyEvent]:
+    """Every event the job's `traj:scored` holds (tests hold the stream untrimmed with `hold_streams`)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [decode(fields[b"e"]) for _, fields in client.xrange(f"jetroll:{job_id}:traj:scored")]
+    finally:
+        client.close()
+
+
 def test_smoke_job_with_celery_rewards(tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
     job_id = f"t{uuid.uuid4().hex[:8]}"
     hold_streams(redis_url, job_id, "traj:scored")
@@ -48,12 +57,7 @@ def test_smoke_job_with_celery_rewards(tmp_path: Path, redis_url: str, model_pat
         assert job.wait() == 0, f"{job.stderr()}\n{service_logs(job.run_dir)}"
         check_summary(job, max_steps=4)
         audit_ledger(redis_url, job.job_id, max_steps=4, groups_per_step=4, group_size=4)
-        client = redis.Redis.from_url(redis_url)
-        try:
-            entries = client.xrange(f"jetroll:{job.job_id}:traj:scored")
-        finally:
-            client.close()
-        scored = [decode(fields[b"e"]) for _, fields in entries]
+        scored = scored_events(redis_url, job.job_id)
         assert len(scored) >= 4 * 4 * 4 and all(isinstance(e, ScoredEvent) for e in scored)
         assert {(e.backend, e.status) for e in scored} == {("celery", "ok")}
         assert "jetroll.reward" in job.service_log("celery-worker")
@@ -88,10 +92,5 @@ def test_a_separate_broker_down_for_30_s_loses_no_reward(tmp_path: Path, redis_u
     assert all("service celery-worker died (exit 1)" in line and "restart" in line for line in deaths), deaths
     assert "lost the broker" in job.service_log("celery-worker")
     audit_ledger(redis_url, job_id, max_steps=max_steps, groups_per_step=4, group_size=4)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        scored = [decode(fields[b"e"]) for _, fields in client.xrange(f"jetroll:{job_id}:traj:scored")]
-    finally:
-        client.close()
-    assert {(e.backend, e.status) for e in scored} == {("celery", "ok")}
+    assert {(e.backend, e.status) for e in scored_events(redis_url, job_id)} == {("celery", "ok")}
     assert "Celery broker unreachable" in job.service_log("reward")  # the outage really hit reward calls

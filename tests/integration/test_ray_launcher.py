@@ -33,7 +33,6 @@ from test_job import (  # noqa: F401 - fixture
 )
 
 from jetroll.services.launch.redis_server import _free_port
-from jetroll.shared.protocol.events import decode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the `ray` extra is not installed")]
@@ -173,7 +172,7 @@ def test_ray_launcher_restarts_a_dead_celery_worker(ray_cluster: str, tmp_path: 
     """The Celery reward worker beside the driver is supervised as a local service is: SIGKILLed (its whole group)
     mid-job, it is restarted, and every trajectory is still scored `ok` by Celery. The tasks the dead worker held come
     back after the visibility timeout, shortened here to 20 s (above the 10 s hard limit)."""
-    from test_celery_job import celery_worker_pids
+    from test_celery_job import celery_worker_pids, scored_events
 
     job_id = f"r{uuid.uuid4().hex[:8]}"
     hold_streams(redis_url, job_id, "traj:scored")
@@ -201,10 +200,5 @@ def test_ray_launcher_restarts_a_dead_celery_worker(ray_cluster: str, tmp_path: 
     assert "service celery-worker died (exit -9); restart 1/" in job.stderr(), job.stderr()
     check_summary(job, max_steps=max_steps)
     audit_ledger(redis_url, job_id, max_steps=max_steps, groups_per_step=4, group_size=4)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        scored = [decode(fields[b"e"]) for _, fields in client.xrange(f"jetroll:{job_id}:traj:scored")]
-    finally:
-        client.close()
-    assert {(e.backend, e.status) for e in scored} == {("celery", "ok")}
+    assert {(e.backend, e.status) for e in scored_events(redis_url, job_id)} == {("celery", "ok")}
     assert not celery_worker_pids(job_id), "the launcher left Celery processes behind"
