@@ -187,8 +187,9 @@ class Engine:
             request.logprobs += [0.0] * len(observation)
             request.versions += [self.version] * len(observation)
             ids = (request.prompt_ids + request.output_ids)[start:]
-            logits = self.model(torch.tensor([ids]), torch.arange(start, start + len(ids)), self.cache, slot=slot)
-            finished += self._sample([request], logits[:, -1], first_slot=slot)
+            positions = torch.arange(start, start + len(ids))
+            hidden = self.model.hidden(torch.tensor([ids]), positions, self.cache, slot=slot)
+            finished += self._sample([request], self.model.logits(hidden[:, -1]), first_slot=slot)
         return finished
 
     def _paused_slot(self, index: int) -> int:
@@ -250,8 +251,8 @@ class Engine:
                 last.append(len(prompt) - 1)
                 slot += len(group)
             first_slot = len(self.running)
-            logits = self.model(ids, torch.arange(width), self.cache, slot=torch.tensor(slots))
-            logits = logits[torch.arange(len(chunk)), torch.tensor(last)]  # [groups, V]: each prompt's last token
+            hidden = self.model.hidden(ids, torch.arange(width), self.cache, slot=torch.tensor(slots))
+            logits = self.model.logits(hidden[torch.arange(len(chunk)), torch.tensor(last)])  # each prompt's last
             for group, start, end in zip(chunk, slots, last, strict=True):
                 for i in range(1, len(group)):
                     self.cache.copy_slot(start, start + i, end + 1)

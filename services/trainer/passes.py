@@ -2,17 +2,23 @@
 
 `policy_pass` gives the step what the algorithm needs, whatever the backend: the log-probs of the gradient rows (with
 grad) and, for the entropy bonus, their token entropy with grad, and pi_prox with its token entropy for every row.
+Every pass maps hidden states to log-probs through `head_logprobs`, a chunk of tokens at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from jetroll.shared.model.model import CausalLM
+from jetroll.shared.model.precision import use_exact
 from jetroll.shared.rl.batch import TokenBatch, pack_groups
 from jetroll.shared.rl.loss import token_entropy, token_logprobs
+
+LOGIT_CHUNK_ELEMENTS = 1 << 23  # fp32 logits of one chunk of tokens: 32 MB, whatever the vocabulary
 
 
 def gradient_rows(rewards: torch.Tensor, has_kl: bool) -> torch.Tensor:
@@ -36,17 +42,95 @@ def proximal_pass(
     """The trainer's no-grad pass: log-probs and token entropies [B, T]. On the exact backend the log-probs are bitwise
     what rollout recorded at this version, whatever the batch composition and padding."""
     with torch.no_grad():
-        logits = model(input_ids)
-        is_exact = model.precision.backend == "exact"
-        return token_logprobs(logits, targets, temperature, is_exact=is_exact), token_entropy(logits, temperature)
+        return head_logprobs(model, model.hidden(input_ids), targets, temperature)
 
 
-def group_logits(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
-    """Logits [n, width, V] of `rows` (whole groups) in the row layout, from one forward of each group packed behind
-    its shared prompt: about half the tokens of the padded rows for short answers."""
+def group_hidden(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    """Hidden states [n, width, H] of `rows` (whole groups) in the row layout, from one forward of each group packed
+    behind its shared prompt: about half the tokens of the padded rows for short answers."""
     packed = pack_groups(batch.input_ids[rows], batch.lengths[rows], batch.rewards.shape[1], pad_id)
-    logits = model(packed.input_ids, packed.positions, attn_mask=packed.attn_mask)
-    return logits.flatten(0, 1)[packed.index[:, :width]]
+    hidden = model.hidden(packed.input_ids, packed.positions, attn_mask=packed.attn_mask)
+    return hidden.flatten(0, 1)[packed.index[:, :width]]
+
+
+def head_logprobs(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,
+                  temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits / T) at `targets` and the token entropy [n, T], from hidden states [n, T, H] and a
+    temperature per row [n], a chunk of tokens at a time: at a real vocabulary the logits are the largest activation
+    (8 x 512 tokens x 151,936 ids are 2.5 GB in fp32), so [n, T, V] never exists whole. Under grad, backward
+    recomputes each chunk's logits and adds lm_head's gradient into one buffer."""
+    shape = targets.shape
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    flat_temperature = temperature.float().reshape(-1, 1).expand(shape).reshape(-1)
+    weight = model.lm_head.weight
+    if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
+        logp, entropy = _ChunkedHead.apply(flat, weight, flat_targets, flat_temperature, model)
+    else:
+        is_exact = use_exact(model.precision)
+        logp, entropy = torch.empty(len(flat_targets)), torch.empty(len(flat_targets))
+        for chunk in _chunks(len(flat_targets), weight.shape[0]):
+            logits = model.logits(flat[chunk])[:, None]
+            logp[chunk] = token_logprobs(logits, flat_targets[chunk, None], flat_temperature[chunk], is_exact)[:, 0]
+            entropy[chunk] = token_entropy(logits, flat_temperature[chunk])[:, 0]
+    return logp.view(shape), entropy.view(shape)
+
+
+def _chunks(num_tokens: int, vocab: int) -> list[slice]:
+    size = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    return [slice(start, start + size) for start in range(0, num_tokens, size)]
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """`head_logprobs` with grad: forward keeps no logits, backward recomputes them a chunk at a time. The gradient
+    is the analytic one of log_softmax: d log p_y / ds = onehot(y) - p and dH / ds = -p (log p + H), for s = z / T."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                temperature: torch.Tensor, model: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.model = model
+        ctx.set_materialize_grads(False)
+        logp, entropy = torch.empty(len(targets)), torch.empty(len(targets))
+        for chunk in _chunks(len(targets), weight.shape[0]):
+            logits = _fast_logits(model, hidden[chunk], weight)[:, None]  # never the exact backend: a grad pass
+            logp[chunk] = token_logprobs(logits, targets[chunk, None], temperature[chunk])[:, 0]
+            entropy[chunk] = token_entropy(logits, temperature[chunk])[:, 0]
+        ctx.save_for_backward(hidden, weight, targets, temperature, entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor | None,
+                 grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets, temperature, entropy = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape) if ctx.needs_input_grad[1] else None  # fp32 whatever the weight
+        for chunk in _chunks(len(targets), weight.shape[0]):
+            scaled = _fast_logits(ctx.model, hidden[chunk], weight).div_(temperature[chunk, None])
+            log_probs = torch.log_softmax(scaled, dim=-1)
+            del scaled
+            grad = log_probs.exp()  # p; becomes d loss / d s in place
+            if grad_entropy is not None:  # log_probs becomes p (log p + H) in place; ids at -inf have p = 0
+                spread = log_probs.clamp_(min=torch.finfo(log_probs.dtype).min).add_(entropy[chunk, None]).mul_(grad)
+            if grad_logp is not None:
+                grad.mul_(-grad_logp[chunk, None])
+                grad[torch.arange(len(grad)), targets[chunk]] += grad_logp[chunk]
+            else:
+                grad.zero_()
+            if grad_entropy is not None:
+                grad.addcmul_(spread, grad_entropy[chunk, None], value=-1.0)
+            del log_probs
+            grad.div_(temperature[chunk, None])
+            if grad_hidden is not None:
+                grad_hidden[chunk] = grad.to(weight.dtype) @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T, hidden[chunk].float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _fast_logits(model: CausalLM, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return model.mask_no_string(F.linear(hidden, weight).float())
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +158,15 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
     if not is_exact and len(idle):
         width = policy_width(batch.loss_mask[idle])
         with torch.no_grad():
-            logits = group_logits(model, batch, idle, width, pad_id)
-            prox_logp[idle, :width] = token_logprobs(logits, batch.targets[idle, :width], batch.temperature[idle])
-            entropy[idle, :width] = token_entropy(logits, batch.temperature[idle])
+            hidden = group_hidden(model, batch, idle, width, pad_id)
+            prox_logp[idle, :width], entropy[idle, :width] = head_logprobs(
+                model, hidden, batch.targets[idle, :width], batch.temperature[idle])
     rows = with_grad.nonzero().squeeze(-1)
     if not len(rows):
         return PolicyPass(rows, 0, None, None, prox_logp, entropy)
     width = policy_width(batch.loss_mask[rows])
-    logits = group_logits(model, batch, rows, width, pad_id)
-    logp = token_logprobs(logits, batch.targets[rows, :width], batch.temperature[rows])
-    row_entropy = None
-    if entropy_grad or not is_exact:
-        with torch.set_grad_enabled(entropy_grad):  # the metric alone needs no graph
-            row_entropy = token_entropy(logits, batch.temperature[rows])
+    hidden = group_hidden(model, batch, rows, width, pad_id)
+    logp, row_entropy = head_logprobs(model, hidden, batch.targets[rows, :width], batch.temperature[rows])
     if not is_exact:
         prox_logp[rows, :width] = logp.detach()
         entropy[rows, :width] = row_entropy.detach()
@@ -97,5 +177,5 @@ def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, w
                    pad_id: int) -> torch.Tensor:
     """The reference policy's log-probs [rows, width], for the KL term."""
     with torch.no_grad():
-        logits = group_logits(reference, batch, rows, width, pad_id)
-        return token_logprobs(logits, batch.targets[rows, :width], batch.temperature[rows])
+        hidden = group_hidden(reference, batch, rows, width, pad_id)
+        return head_logprobs(reference, hidden, batch.targets[rows, :width], batch.temperature[rows])[0]

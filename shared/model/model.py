@@ -259,7 +259,19 @@ class CausalLM(nn.Module):
         slot: int | torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [B, S, V] in fp32.
+        """Logits [B, S, V] in fp32: `logits(hidden(...))`, with the arguments of `hidden`."""
+        return self.logits(self.hidden(input_ids, positions, cache, slot, attn_mask))
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slot: int | torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final norm's output [B, S, H], which `logits` maps to the vocabulary: callers that need few positions,
+        or the vocabulary a chunk at a time, take this and call `logits` on what they need.
 
         No cache: a causal full-sequence forward (training, scoring), or with `attn_mask` [B, S, S] (True where
         query row s may see key column s') and `positions` [B, S] any other attention pattern, such as the
@@ -276,7 +288,7 @@ class CausalLM(nn.Module):
         elif positions.dim() == 1:
             positions = positions[:, None] if slot is None else positions[None, :]
         if cache is not None and slot is None:
-            return self.decode(input_ids, positions[:, 0], cache, int(positions.max()) + 1)
+            return self._decode_hidden(input_ids, positions[:, 0], cache, int(positions.max()) + 1)
         rope = self._rope(positions)
         views: list[LayerView | None] = [None] * len(self.model.layers)
         if cache is not None:
@@ -289,6 +301,10 @@ class CausalLM(nn.Module):
 
         The engine passes `length` as a Python int, so this traces into one graph under torch.compile.
         """
+        return self.logits(self._decode_hidden(input_ids, positions, cache, length))
+
+    def _decode_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       length: int) -> torch.Tensor:
         blocked = (torch.arange(length)[None, :] > positions[:, None])[:, None, None, :]  # [n, 1, 1, L]
         rows = torch.arange(input_ids.shape[0])
         views = [LayerView(k, v, None, rows, positions, length, blocked) for k, v in zip(cache.k, cache.v, strict=True)]
@@ -299,10 +315,17 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer, view in zip(self.model.layers, views, strict=True):
             x = layer(x, rope, view, attn_mask)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over hidden states [..., H]: fp32 logits [..., V], ids with no string at -inf."""
         if use_exact(self.precision):
-            logits = exact.fp32_linear(self.model.norm(x), self.lm_head.weight)
+            logits = exact.fp32_linear(hidden, self.lm_head.weight)
         else:
-            logits = self.lm_head(self.model.norm(x)).float()
+            logits = self.lm_head(hidden).float()
+        return self.mask_no_string(logits)
+
+    def mask_no_string(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.no_string is None else logits.masked_fill(self.no_string, float("-inf"))
 
     def mask_ids_past(self, num_tokens: int) -> None:

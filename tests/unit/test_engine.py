@@ -108,13 +108,13 @@ def test_one_forward_prefills_every_waiting_group_and_siblings_share_its_cache(
                 for g, p in enumerate(prompts) for s in range(2)]
     requests.append(Request("late", prompt(4, 33), 6, temperature=1.0, ignore_eos=True))  # no free slot left for it
     prefills = []
-    forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda ids, *a, **k: prefills.append(ids.shape) or forward(ids, *a, **k))
+    hidden = model.hidden
+    monkeypatch.setattr(model, "hidden", lambda ids, *a, **k: prefills.append(ids.shape) or hidden(ids, *a, **k))
     engine.add(requests)
     engine.step()
     assert prefills == [torch.Size([3, 7])]
     assert engine.running == requests[:-1] and list(engine.waiting) == requests[-1:]
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(model, "hidden", hidden)
     while engine.has_work:
         engine.step()
     for request in requests:
