@@ -44,7 +44,7 @@ FAULTS = ("trainer", "trainer", "rollout", "reward", "controller", "redis", "s3"
 BUCKET = "jetroll-chaos"
 PREFIX = "runs"  # the store adds the job id below it
 MOTO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos", "AWS_DEFAULT_REGION": "us-east-1"}
-FAULT_TIMEOUT_S = 600.0  # a fault that has not recovered in this long fails the run
+FAULT_TIMEOUT_S = 600.0  # a job that trains no step for this long, fault or not, fails the run
 T = TypeVar("T")
 
 
@@ -179,12 +179,17 @@ def _inject(job: subprocess.Popen[bytes], faults: list[Fault], run_dir: Path, re
             proxy: TcpProxy, outage_s: float, started: float) -> int:
     """Fire each fault at its step, once the one before it has recovered; then wait for the job's exit code."""
     def wait_for(predicate: Callable[[], T | None], what: str) -> T:
-        deadline = time.monotonic() + FAULT_TIMEOUT_S
+        """Poll until `predicate` holds; fail once the job trains no step for FAULT_TIMEOUT_S (a stall), however
+        slowly the machine runs the steps between faults."""
+        step, deadline = _step(run_dir), time.monotonic() + FAULT_TIMEOUT_S
         while (value := predicate()) is None or value is False:
             if job.poll() is not None:
                 raise RuntimeError(f"bench chaos: the job exited ({job.returncode}) waiting for {what}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"bench chaos: no {what} in {FAULT_TIMEOUT_S:.0f} s")
+            if (now := _step(run_dir)) > step:
+                step, deadline = now, time.monotonic() + FAULT_TIMEOUT_S
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"bench chaos: the job trained no step in {FAULT_TIMEOUT_S:.0f} s (at step {step}) "
+                                   f"waiting for {what}")
             time.sleep(0.2)
         return value
 
