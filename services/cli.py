@@ -160,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "started by the bench, when moto is installed)")
     chaos.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field of configs/arithmetic.yaml")
+    shape = bench_sub.add_parser("shape", help="a job at Qwen2.5-0.5B's exact shape with random weights "
+                                 "(configs/bench_qwen2.5_0.5b.yaml, 3 steps): peak RSS per service, step times")
+    shape.add_argument("--json", action="store_true", help="print one JSON object")
+    shape.add_argument("--layers", type=int, help="decoder layers (default: the shape's 24; CI runs 2)")
+    shape.add_argument("--max-steps", type=int, help="override trainer.max_steps")
+    shape.add_argument("--run-dir", type=Path, help="the run, its model cache and its log (default: a temp dir)")
+    shape.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of configs/bench_qwen2.5_0.5b.yaml")
     precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only uncorrected, "
                                      "and of fp8_rollout_only with token_tis and icepop, per seed: held-out scores and "
                                      "reward curves (resumable)")
@@ -332,6 +340,7 @@ def _bench(args: argparse.Namespace) -> int:
                                                backends=tuple(args.backends.split(",")) if args.backends else None),
         "store": lambda m: m.run_store_bench(synthetic_mb=args.synthetic_mb, repeats=args.repeats,
                                              multipart_threshold_mib=args.multipart_threshold_mib),
+        "shape": lambda m: m.run_shape_bench(args.layers, args.max_steps, args.run_dir, args.overrides),
         "engine": lambda m: m.run_engine_bench(batch_sizes=ints(args.batch_sizes), new_tokens=args.new_tokens,
                                                repeats=args.repeats, threads=args.threads,
                                                compile=not args.no_compile),

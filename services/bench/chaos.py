@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from jetroll.services.bench.processes import processes
 from jetroll.services.bench.store import moto_server
 from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.shared.config.base import ConfigError
@@ -232,23 +232,8 @@ def _max_steps(run_dir: Path) -> int:
 
 def _child(parent: int, kind: str) -> int | None:
     """The pid of the launcher's live child of `kind`: a service (`jetroll.services.cli <kind>`) or the Redis."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        # the state and ppid follow the parenthesised comm, which may hold spaces
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) != parent or state == "Z":
-            continue
-        if kind == "redis" and re.search(rb"redis-server", args[0]):
-            return int(entry.name)
-        if b"jetroll.services.cli" in args and args[args.index(b"jetroll.services.cli") + 1] == kind.encode():
-            return int(entry.name)
-    return None
+    return next((p.pid for p in processes().values() if p.parent == parent and p.state != "Z" and p.service == kind),
+                None)
 
 
 def audit(config: JobConfig, job_id: str, run_dir: Path) -> dict[str, Any]:

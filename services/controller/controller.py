@@ -236,6 +236,8 @@ class Controller:
         return counts
 
     async def _evaluate(self, version: int) -> dict[str, float]:
+        if not self.config.eval.num_problems:
+            return {}
         directory = await self.store.fetch(version)
 
         def run() -> dict[str, float]:
@@ -285,8 +287,8 @@ class Controller:
         return {
             "job_id": self.config.job_id,
             "steps": self.version,
-            "accuracy_before": sum(before.values()) / len(before),
-            "accuracy_after": sum(after.values()) / len(after),
+            "accuracy_before": sum(before.values()) / len(before) if before else None,
+            "accuracy_after": sum(after.values()) / len(after) if after else None,
             "accuracy_before_per_task": before,
             "accuracy_after_per_task": after,
             "num_eval_problems": self.config.eval.num_problems,

@@ -104,10 +104,10 @@ def _took(record: dict[str, Any]) -> str:
 def _result(record: dict[str, Any]) -> str:
     if record.get("error"):
         return record["error"]
-    if "accuracy_after" in record:
+    if record.get("accuracy_after") is not None:
         before, after = record.get("accuracy_before", math.nan), record["accuracy_after"]
         return f"{record.get('steps', '?')} steps, accuracy {before:.3f} -> {after:.3f}"
-    return ""
+    return f"{record['steps']} steps, no held-out eval" if "steps" in record else ""
 
 
 def format_status(records: dict[str, dict[str, Any]]) -> str:

@@ -154,6 +154,7 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
     store_root = config.store.root or str(run_dir / "store")
     tree = config.model_dump(mode="json")
     tree["model"]["path"] = str(Path(model_path).resolve())
+    tree["model"]["init"] = "pretrained"  # what the services load, whatever built it
     tree["store"]["root"] = str(Path(store_root).resolve())
     return validate_config(tree)
 

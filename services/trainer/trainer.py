@@ -374,7 +374,7 @@ class Trainer:
             state = self.optimizer.state.get(param, {})
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 if key in state:
-                    tensors[f"{name}::{key}"] = state[key].detach().reshape(-1).clone()
+                    tensors[f"{name}::{key}"] = state[key].detach().reshape(-1)  # a view: the step waits for this
         tensors["rng::torch"] = torch.get_rng_state()
         save_file(tensors, str(state_dir / "optimizer.safetensors"))
         trainer_state = TrainerState(version=self.version, groups=groups, entry_ids=entry_ids)

@@ -29,12 +29,14 @@ from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.tokenizer import Tokenizer, build_char_tokenizer
+from jetroll.shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, build_char_tokenizer, load_tokenizer
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import get_task
 
 WARMSTART_FILE = "warmstart.json"
+RANDOM_INIT_FILE = "random_init.json"
+RANDOM_INIT_VERSION = 1  # bump when build_random_model's code changes the weights a config builds
 RECIPE_VERSION = 2  # bump when the build's code changes what a config builds (2: stop by probe accuracy)
 INIT_STD = 0.02
 IGNORE_INDEX = -100
@@ -276,49 +278,99 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
 
 
 def config_hash(config: ModelConfig) -> str:
-    """sha256 of the build recipe and the model config JSON, without `path` and `cache_dir` (they don't change the
-    weights); the warm start's band, cap and probe are part of it."""
-    tree = config.model_dump(mode="json", exclude={"path", "cache_dir"})
+    """sha256 of the build recipe and the model config JSON, without the fields that do not change the tiny model's
+    weights (`path`, `cache_dir`, `init`, `init_seed`); the warm start's band, cap and probe are part of it."""
+    tree = config.model_dump(mode="json", exclude={"path", "cache_dir", "init", "init_seed"})
     tree["recipe"] = RECIPE_VERSION
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def cached_model_dir(config: ModelConfig) -> Path:
+    if config.init == "random":
+        return Path(config.cache_dir).expanduser() / f"random-{random_init_hash(config)}"
     return Path(config.cache_dir).expanduser() / f"base-{config_hash(config)}"
 
 
 def ensure_base_model(config: ModelConfig, progress: bool = True) -> Path:
-    """The model dir: `config.path` if set (must hold config.json), else the cached tiny model, built once."""
-    if config.path is not None:
+    """The model dir: `config.path` if it is a checkpoint (must hold config.json), else the cached tiny model or
+    random init of `config.path`'s architecture, built once."""
+    if config.path is not None and config.init != "random":
         path = Path(config.path).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path} is not an HF-format model dir (no config.json there)")
         return path
     final = cached_model_dir(config)
-    if (final / WARMSTART_FILE).is_file():
+    marker = RANDOM_INIT_FILE if config.init == "random" else WARMSTART_FILE
+    if (final / marker).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build_base_model(config, tmp, progress=progress)
+        if config.init == "random":
+            build_random_model(config, tmp)
+        else:
+            build_base_model(config, tmp, progress=progress)
         os.rename(tmp, final)
     except OSError:
         # another process published the same model first: its copy is identical, keep it
-        if not (final / WARMSTART_FILE).is_file():
+        if not (final / marker).is_file():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
+def random_init_hash(config: ModelConfig) -> str:
+    """sha256 of what a random init reads: config.json, the tokenizer files and generation_config.json as bytes,
+    and the seed; not where they live."""
+    source = Path(config.path or "").expanduser()
+    digest = hashlib.sha256(f"random-init {RANDOM_INIT_VERSION} seed {config.init_seed}".encode())
+    for name in ("config.json", "generation_config.json", "tokenizer.json", *TOKENIZER_FILES):
+        if (source / name).is_file():
+            digest.update(name.encode() + b"\0" + (source / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_random_model(config: ModelConfig, out_dir: Path) -> dict[str, Any]:
+    """`model.init: random`: the architecture `config.path`'s config.json describes (every key checked as a
+    checkpoint's is), HF-style random weights from `init_seed`, and the tokenizer files beside it."""
+    source = Path(config.path or "").expanduser()
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"model.init: random needs config.json in model.path {source}")
+    start = time.perf_counter()
+    try:
+        args = ModelArgs.from_hf(json.loads(config_path.read_text()))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{config_path}: {exc}") from None
+    tokenizer = load_tokenizer(source)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only "
+                         f"{args.vocab_size} rows")
+    torch.manual_seed(config.init_seed)
+    model = CausalLM(args)
+    init_weights(model)
+    save_pretrained(model, tokenizer, out_dir)
+    if (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", out_dir / "generation_config.json")
+    info = {"init": "random", "source": str(source.resolve()), "seed": config.init_seed,
+            "parameters": sum(p.numel() for p in model.parameters()), "wall_s": round(time.perf_counter() - start, 2)}
+    (out_dir / RANDOM_INIT_FILE).write_text(json.dumps(info, indent=2))
+    return info
+
+
 def main(config: ModelConfig, force: bool = False) -> None:
     """`jetroll init-model`: build (or reuse) the base model and print where it is and how good it is."""
-    if force and config.path is None:
+    if force and (config.path is None or config.init == "random"):
         shutil.rmtree(cached_model_dir(config), ignore_errors=True)
     path = ensure_base_model(config)
     info_path = path / WARMSTART_FILE
     print(f"base model: {path}")
-    if info_path.is_file():
+    if (path / RANDOM_INIT_FILE).is_file():
+        info = json.loads((path / RANDOM_INIT_FILE).read_text())
+        print(f"random init of {info['source']}/config.json: {info['parameters']:,} parameters, seed {info['seed']}, "
+              f"{info['wall_s']:.0f} s")
+    elif info_path.is_file():
         info = json.loads(info_path.read_text())
         accuracy = ", ".join(f"{name} {acc:.1%}" for name, acc in info["accuracy"].items())
         band = info["target_band"]

@@ -28,7 +28,8 @@ class TaskWeight(Strict):
 
 
 class EvalConfig(Strict):
-    num_problems: int = Field(200, ge=1, description="held-out problems per task for greedy accuracy")
+    num_problems: int = Field(200, ge=0, description="held-out problems per task for greedy accuracy; 0: no "
+                              "held-out evaluation at all (summary.json's accuracies are null)")
     every_steps: int = Field(0, ge=0, description="also evaluate every N steps (0: start and end only)")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import Strict
@@ -47,7 +49,14 @@ class WarmStartConfig(Strict):
 class ModelConfig(Strict):
     """The policy: an HF-format directory, or the tiny built-in model that `jetroll init-model` builds."""
 
-    path: str | None = Field(None, description="HF-format model dir; None builds/uses the cached tiny model")
+    init: Literal["tiny", "pretrained", "random"] | None = Field(
+        None, description="where the policy's weights come from. tiny: the built-in model, warm-started and cached "
+        "(model.path unset); pretrained: the HF-format checkpoint at model.path; random: the architecture of "
+        "model.path's config.json with random N(0, 0.02) weights (built once, cached, seeded by init_seed) and its "
+        "tokenizer files. None: pretrained when model.path is set, else tiny")
+    path: str | None = Field(None, description="HF-format model dir (config.json, tokenizer files and, for "
+                             "init: pretrained, the weights); None builds/uses the cached tiny model")
+    init_seed: int = Field(0, description="seed of the random weights of init: random")
     cache_dir: str = Field("~/.cache/jetroll", description="where the tiny base model is cached")
     hidden_size: int = Field(128, ge=128, multiple_of=128, description="tiny model width")
     num_layers: int = Field(4, ge=1, description="tiny model decoder layers")
@@ -62,6 +71,15 @@ class ModelConfig(Strict):
                                 "chat template (with the generation prompt); false feeds the prompt as it is")
     system_prompt: str | None = Field(None, min_length=1, description="a system message before each prompt "
                                       "(needs chat_template: true)")
+
+    @model_validator(mode="after")
+    def _init_needs_its_path(self) -> ModelConfig:
+        if self.init == "tiny" and self.path is not None:
+            raise ValueError("model.init: tiny builds its own model; drop model.path, or set model.init: pretrained "
+                             "(a checkpoint) or random (its config.json with random weights)")
+        if self.init in ("pretrained", "random") and self.path is None:
+            raise ValueError(f"model.init: {self.init} needs model.path, an HF-format model dir")
+        return self
 
     @model_validator(mode="after")
     def _system_prompt_needs_a_template(self) -> ModelConfig:

@@ -116,7 +116,7 @@ def load_state(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     fp8 = [k.removesuffix(".weight_scale_inv") for k in state if k.endswith(".weight_scale_inv")]
     fp8_keys = {f"{prefix}.{name}" for prefix in fp8 for name in ("weight", "weight_scale_inv")}
-    plain = {k: v.float() for k, v in state.items() if k not in fp8_keys}
+    plain = {k: v for k, v in state.items() if k not in fp8_keys}  # copied into the fp32 params, cast on the way
     missing, unexpected = model.load_state_dict(plain, strict=False)
     is_tied = model.args.tie_word_embeddings
     missing = [k for k in missing if k not in fp8_keys and not (k == "lm_head.weight" and is_tied)]
