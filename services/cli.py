@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "~/.cache/jetroll/bench/chaos)")
     chaos.add_argument("--max-steps", type=int, help="override trainer.max_steps (a smoke test)")
     chaos.add_argument("--outage-s", type=float, default=30.0, help="how long S3 stays unreachable")
+    chaos.add_argument("--fault-free", type=int, default=0, metavar="N", help="also N runs of the same job without "
+                       "faults (each resumable), and the faulted run's distance from their mean accuracy")
     chaos.add_argument("--s3-endpoint", help="an S3-compatible endpoint for the job's store (default: a moto server "
                        "started by the bench, when moto is installed)")
     chaos.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -330,7 +332,7 @@ def _bench(args: argparse.Namespace) -> int:
         "learning": lambda m: m.run_learning_bench(args.seeds, args.kernels, args.run_dir, args.overrides,
                                                    args.max_steps),
         "chaos": lambda m: m.run_chaos_bench(args.seed, args.run_dir, args.overrides, args.max_steps, args.outage_s,
-                                             args.s3_endpoint),
+                                             args.s3_endpoint, args.fault_free),
         "precision": lambda m: m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides),
         "async": lambda m: m.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir),
         "mismatch": lambda m: m.run_mismatch_bench(lengths=ints(args.lengths), num_samples=args.samples,

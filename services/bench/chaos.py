@@ -72,19 +72,28 @@ def schedule(seed: int, max_steps: int) -> list[Fault]:
 
 def run_chaos_bench(seed: int = 0, run_dir: Path | None = None, overrides: list[str] = (),
                     max_steps: int | None = None, outage_s: float = 30.0,
-                    s3_endpoint: str | None = None) -> dict[str, Any]:
+                    s3_endpoint: str | None = None, fault_free: int = 0) -> dict[str, Any]:
+    """The faulted run of `seed`, then `fault_free` runs of the same job with no fault: the accuracy a faulted run is
+    held to is their mean (within 3 points) when it misses the learning matrix's minimum. Each run resumes alone."""
     extra = [*overrides, *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
     config = load_config(CONFIG, extra)  # a bad override fails here, before anything starts
     if config.store.type != "local" or config.staleness.mode != "async":
         raise ConfigError("bench chaos runs the async job and puts its store on S3 itself; drop the store and "
                           "staleness overrides")
-    out = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve() / f"seed{seed}"
-    if not (out / "row.json").exists():
-        _claim(out.parent, extra, outage_s)
-        run_one(config, seed, out, extra, outage_s, s3_endpoint)
-    row = json.loads((out / "row.json").read_text())
-    return {"config": {"config": str(CONFIG), "overrides": extra, "seed": seed, "outage_s": outage_s,
-                       "run_dir": str(out)}, "rows": [row]}
+    root = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve()
+    rows = []
+    for out, with_faults in ((root / f"seed{seed}", True),
+                             *((root / f"seed{seed}-fault-free{i}", False) for i in range(fault_free))):
+        if not (out / "row.json").exists():
+            _claim(root, extra, outage_s)
+            run_one(config, seed, out, extra, outage_s, s3_endpoint, with_faults)
+        rows.append(json.loads((out / "row.json").read_text()))
+    result = {"config": {"config": str(CONFIG), "overrides": extra, "seed": seed, "outage_s": outage_s,
+                         "run_dir": str(root)}, "rows": rows[:1], "fault_free_rows": rows[1:]}
+    if fault_free:
+        mean = sum(r["accuracy_after"] for r in rows[1:]) / fault_free
+        result["summary"] = {"fault_free_mean": mean, "faulted_minus_mean": rows[0]["accuracy_after"] - mean}
+    return result
 
 
 def _claim(run_dir: Path, overrides: list[str], outage_s: float) -> None:
@@ -98,10 +107,10 @@ def _claim(run_dir: Path, overrides: list[str], outage_s: float) -> None:
 
 
 def run_one(config: JobConfig, seed: int, out: Path, overrides: list[str], outage_s: float,
-            s3_endpoint: str | None) -> None:
+            s3_endpoint: str | None, with_faults: bool = True) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    faults = schedule(seed, config.trainer.max_steps)
+    faults = schedule(seed, config.trainer.max_steps) if with_faults else []
     job_id = f"chaos-s{seed}-{os.urandom(3).hex()}"
     with _s3(s3_endpoint) as (endpoint, env):
         target = urlsplit(endpoint)
@@ -134,7 +143,8 @@ def run_one(config: JobConfig, seed: int, out: Path, overrides: list[str], outag
         row = {"seed": seed, "faults": [asdict(f) for f in faults], "wall_s": round(wall_s, 1),
                **audit(direct, job_id, out / "run")}
     (out / "row.json").write_text(json.dumps(row, indent=2))
-    print(f"bench chaos: seed {seed}: trained twice {row['trained_twice']}, lost {row['lost']}, final "
+    print(f"bench chaos: seed {seed}{'' if with_faults else ', no faults'}: trained twice {row['trained_twice']}, "
+          f"lost {row['lost']}, final "
           f"{row['accuracy_after']:.1%}", file=sys.stderr, flush=True)
 
 
@@ -270,3 +280,9 @@ def print_table(result: dict[str, Any]) -> None:
         console.print(f"admitted {row['admitted']}, trained once {row['trained_once']}, dropped {row['dropped']} "
                       f"{row['dropped_by_status']}, trained twice {row['trained_twice']}, lost {row['lost']}; "
                       f"held-out accuracy {row['accuracy_before']:.1%} -> {row['accuracy_after']:.1%}")
+    for row in result["fault_free_rows"]:
+        console.print(f"fault-free run: {row['wall_s'] / 60:.1f} min, trained twice {row['trained_twice']}, lost "
+                      f"{row['lost']}; held-out accuracy {row['accuracy_before']:.1%} -> {row['accuracy_after']:.1%}")
+    if "summary" in result:
+        console.print(f"fault-free mean {result['summary']['fault_free_mean']:.1%}; the faulted run is "
+                      f"{result['summary']['faulted_minus_mean'] * 100:+.2f} points from it")

@@ -198,5 +198,12 @@ def test_bench_chaos_json_smoke_and_resume(tmp_path: Path) -> None:
     assert row["trained_twice"] == 0 and row["lost"] == 0, row
     assert row["trained_once"] == row["ledger_trained"] == 60 * 2, row
     assert row["admitted"] == row["trained_once"] + row["dropped"], row
-    again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
-    assert again["rows"] == [row]
+    again = json.loads(subprocess.run([*cmd, "--fault-free", "1"], capture_output=True, text=True, timeout=600,
+                                      check=True).stdout)
+    assert again["rows"] == [row]  # the faulted run is not run again; the fault-free one runs beside it
+    (clean,) = again["fault_free_rows"]
+    assert clean["faults"] == [] and clean["steps_recorded"] == 60, clean
+    assert clean["trained_twice"] == 0 and clean["lost"] == 0 and clean["trained_once"] == 60 * 2, clean
+    assert "died" not in (tmp_path / "bench" / "seed3-fault-free0" / "job.log").read_text()
+    assert again["summary"]["fault_free_mean"] == clean["accuracy_after"]
+    assert again["summary"]["faulted_minus_mean"] == row["accuracy_after"] - clean["accuracy_after"]
