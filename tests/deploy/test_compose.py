@@ -189,8 +189,13 @@ def test_dockerfile_has_a_gpu_variant_and_pyprojects_torch(dockerfile: Dockerfil
     assert args.get("TORCH_VARIANT") == "cpu" and "BASE_IMAGE" in args
     install = next(run for run in instructions(dockerfile, "RUN") if "TORCH_VARIANT" in run)
     assert "download.pytorch.org/whl/cpu" in install and '".[gpu]"' in install
-    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert f"torch=={args['TORCH_VERSION']}" in pins
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert f"torch=={args['TORCH_VERSION']}" in project["dependencies"]
+    named = {extra for run in instructions(dockerfile, "RUN") for group in re.findall(r"\.\[([\w,-]+)\]", run)
+             for extra in group.split(",")}
+    assert "gpu" in named
+    assert named <= set(project["optional-dependencies"]), named - set(project["optional-dependencies"])
+    assert any(pin.startswith("vllm==0.32.") for pin in project["optional-dependencies"]["gpu"])
 
 
 def test_dockerignore_keeps_the_build_context_small() -> None:
