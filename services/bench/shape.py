@@ -32,6 +32,7 @@ def run_shape_bench(layers: int | None = None, max_steps: int | None = None, run
                     overrides: list[str] = ()) -> dict[str, Any]:
     out = Path(run_dir or tempfile.mkdtemp(prefix="jetroll-shape-")).resolve()
     shutil.rmtree(out / "run", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     model_dir = MODEL if layers is None else _with_layers(out / "model", layers)
     extra = [f"model.path={model_dir}", f"model.cache_dir={out / 'cache'}", *overrides,
              *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
