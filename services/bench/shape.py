@@ -24,7 +24,6 @@ from jetroll.services.bench.processes import processes
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "bench_qwen2.5_0.5b.yaml"
 MODEL = ROOT / "configs" / "models" / "qwen2.5-0.5b-shape"
-SERVICES = ("run", "controller", "trainer", "rollout", "reward")
 GIB = 1024**3
 
 

@@ -7,6 +7,7 @@ Every pass maps hidden states to log-probs through `head_logprobs`, a chunk of t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,13 +68,20 @@ def head_logprobs(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,
     if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
         logp, entropy = _ChunkedHead.apply(flat, weight, flat_targets, flat_temperature, model)
     else:
-        is_exact = use_exact(model.precision)
-        logp, entropy = torch.empty(len(flat_targets)), torch.empty(len(flat_targets))
-        for chunk in _chunks(len(flat_targets), weight.shape[0]):
-            logits = model.logits(flat[chunk])[:, None]
-            logp[chunk] = token_logprobs(logits, flat_targets[chunk, None], flat_temperature[chunk], is_exact)[:, 0]
-            entropy[chunk] = token_entropy(logits, flat_temperature[chunk])[:, 0]
+        logp, entropy = _chunked_stats(model.logits, flat, flat_targets, flat_temperature, weight.shape[0],
+                                       use_exact(model.precision))
     return logp.view(shape), entropy.view(shape)
+
+
+def _chunked_stats(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
+                   temperature: torch.Tensor, vocab: int, is_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs at `targets` and token entropies [N] of flat hidden states [N, H], one chunk's logits at a time."""
+    logp, entropy = torch.empty(len(targets)), torch.empty(len(targets))
+    for chunk in _chunks(len(targets), vocab):
+        logits = logits_of(hidden[chunk])[:, None]
+        logp[chunk] = token_logprobs(logits, targets[chunk, None], temperature[chunk], is_exact)[:, 0]
+        entropy[chunk] = token_entropy(logits, temperature[chunk])[:, 0]
+    return logp, entropy
 
 
 def _chunks(num_tokens: int, vocab: int) -> list[slice]:
@@ -90,11 +98,9 @@ class _ChunkedHead(torch.autograd.Function):
                 temperature: torch.Tensor, model: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.model = model
         ctx.set_materialize_grads(False)
-        logp, entropy = torch.empty(len(targets)), torch.empty(len(targets))
-        for chunk in _chunks(len(targets), weight.shape[0]):
-            logits = _fast_logits(model, hidden[chunk], weight)[:, None]  # never the exact backend: a grad pass
-            logp[chunk] = token_logprobs(logits, targets[chunk, None], temperature[chunk])[:, 0]
-            entropy[chunk] = token_entropy(logits, temperature[chunk])[:, 0]
+        # never the exact backend: this is a grad pass, though autograd runs its forward without grad
+        logp, entropy = _chunked_stats(lambda h: _fast_logits(model, h, weight), hidden, targets, temperature,
+                                       weight.shape[0])
         ctx.save_for_backward(hidden, weight, targets, temperature, entropy)
         return logp, entropy
 
