@@ -33,6 +33,7 @@ from jetroll.shared.protocol.validate import (
 from jetroll.shared.rl.admission import Admission, in_flight_caps
 from jetroll.shared.seeds import derive_seed
 from jetroll.shared.store.base import WeightStore, WeightStoreError
+from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.controller")
@@ -93,6 +94,8 @@ class Controller:
         self.in_flight = InFlightIndex(bus)
         self.version = 0
         self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
+        self.datasets = {name: task.rows for name in self.task_names
+                         if isinstance(task := get_task(name), DatasetTask)}
         log.info("task -> rollout pool: %s; pool labels: %s", self.pool_of_task,
                  {pool.name: pool.labels for pool in config.rollout.pools})
 
@@ -203,11 +206,11 @@ class Controller:
                 break
             in_flight[name] = in_flight.get(name, 0) + 1
             task = get_task(name)
-            problem = task.sample(rng)
+            problem = task.sample(rng, index)
             events.append(GroupEvent(
                 job_id=self.config.job_id, group_id=group_id(index), task=task.name,
                 pool=self.pool_of_task[task.name], prompt=problem.prompt,
-                prompt_ids=Array.of(self.prompts.ids(problem.prompt), "<i4"),
+                prompt_ids=Array.of(self.prompts.ids(problem), "<i4"),
                 answer=problem.answer, group_size=self.config.trainer.group_size,
                 max_new_tokens=self.config.rollout.sample_budget(task.max_new_tokens), v_adm=self.version,
                 min_version=self.version if is_sync else 0))
@@ -303,5 +306,9 @@ class Controller:
             "precision": self.config.precision.mode,
             "staleness": self.config.staleness.model_dump(),
             "redis_memory": memory,
+            "datasets": {name: {"files": [str(f) for f in rows.files], "train_rows": len(rows.train),
+                                "heldout_rows": len(rows.heldout), "bad_rows": len(rows.bad),
+                                "first_bad_rows": [str(row) for row in rows.bad[:5]]}
+                         for name, rows in self.datasets.items()},
             "wall_time_s": wall_s,
         }

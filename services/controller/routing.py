@@ -15,7 +15,8 @@ def task_profile(task_name: str, tokenizer: Tokenizer) -> str:
     """decode_heavy when the task's completion budget is over twice its mean prompt, else prefill_heavy."""
     task = get_task(task_name)
     rng = random.Random(0)
-    mean_prompt = sum(len(tokenizer.encode(task.sample(rng).prompt)) for _ in range(PROFILE_SAMPLES)) / PROFILE_SAMPLES
+    lengths = [len(tokenizer.encode(task.sample(rng, index).prompt)) for index in range(1, PROFILE_SAMPLES + 1)]
+    mean_prompt = sum(lengths) / PROFILE_SAMPLES
     return "decode_heavy" if task.max_new_tokens > 2 * mean_prompt else "prefill_heavy"
 
 

@@ -16,7 +16,8 @@ from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.services.reward.celery_worker import start_worker_process
 from jetroll.shared.config.base import JOB_FAILED_EXIT
-from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.config.job import DatasetTaskConfig, JobConfig, validate_config
+from jetroll.shared.tasks.registry import get_task
 
 POLL_S = 0.5
 
@@ -145,18 +146,36 @@ class Launcher:
 
 
 def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
-    """The config every service of a job reads: the base model built or found (model.path) and the store root
-    (or the S3 store's cache) made absolute, `<run_dir>/store` by default. `jetroll run` and the watch-mode
-    controller both resolve a job this way."""
+    """The config every service of a job reads: its datasets read and checked, the base model built or found
+    (model.path), and the store root (or the S3 store's cache) and dataset paths made absolute, `<run_dir>/store`
+    by default. `jetroll run` and the watch-mode controller both resolve a job this way."""
     from jetroll.services.trainer.warm_start import ensure_base_model
 
+    check_datasets(config)
     model_path = ensure_base_model(config.model)
     store_root = config.store.root or str(run_dir / "store")
     tree = config.model_dump(mode="json")
     tree["model"]["path"] = str(Path(model_path).resolve())
     tree["model"]["init"] = "pretrained"  # what the services load, whatever built it
+    tree["model"]["tokenizer"] = None  # the built model holds it
     tree["store"]["root"] = str(Path(store_root).resolve())
+    for task in tree["tasks"]:
+        for key in ("path", "heldout_path"):
+            if task.get(key):
+                task[key] = str(Path(task[key]).expanduser().resolve())
     return validate_config(tree)
+
+
+def check_datasets(config: JobConfig) -> None:
+    """Read every dataset task's files before anything starts: a missing file or an empty split fails here with
+    one line (DatasetError), and the rows skipped as bad are counted."""
+    for entry in config.tasks:
+        if isinstance(entry, DatasetTaskConfig):
+            rows = get_task(entry.name).rows
+            print(f"jetroll: dataset task {entry.name}: {len(rows.train)} training, {len(rows.probe)} probe and "
+                  f"{len(rows.heldout)} held-out rows from {len(rows.files)} file(s); {len(rows.bad)} bad rows "
+                  "skipped" + (f", {rows.heldout_overlap} training rows dropped as held-out duplicates"
+                               if rows.heldout_overlap else ""), file=sys.stderr)
 
 
 def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:

@@ -29,7 +29,7 @@ def greedy_completions(
     if not problems:
         return []
     prompt_format = prompts or PromptFormat(tokenizer)
-    prompts_ids = [prompt_format.ids(p.prompt) for p in problems]
+    prompts_ids = [prompt_format.ids(p) for p in problems]
     multi_turn = task is not None and is_multi_turn(task)
     turn_end_id = tokenizer.encode(task.turn_end)[0] if multi_turn else None
     requests = [

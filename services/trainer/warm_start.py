@@ -27,10 +27,12 @@ from jetroll.services.rollout.evaluate import accuracy_on
 from jetroll.shared.config.base import WarmStartError
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, build_char_tokenizer, load_tokenizer
 from jetroll.shared.rl.schedule import cosine_lr
+from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import get_task
 
@@ -70,15 +72,17 @@ def init_weights(model: CausalLM) -> None:
 
 
 def sft_batch(
-    tokenizer: Tokenizer, task_names: list[str], batch_size: int, rng: random.Random
+    tokenizer: Tokenizer, task_names: list[str], batch_size: int, rng: random.Random,
+    prompts: PromptFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs [B, S] and targets [B, S]: targets are the completion + EOS; prompts, a multi-turn task's
-    observations (the environment writes them) and padding are ignored."""
+    """Inputs [B, S] and targets [B, S]: targets are the completion + EOS; prompts (formatted as the job formats
+    them), a multi-turn task's observations (the environment writes them) and padding are ignored."""
+    prompt_format = prompts or PromptFormat(tokenizer)
     rows = []
     for _ in range(batch_size):
         task = get_task(rng.choice(task_names))
         problem = task.sft_sample(rng)
-        prompt = tokenizer.encode(problem.prompt)
+        prompt = prompt_format.ids(problem)
         target = tokenizer.encode(task.sft_completion(problem)) + [tokenizer.eos_id]
         labels = list(target)
         if is_multi_turn(task):
@@ -132,10 +136,11 @@ def _loss_summary(losses: list[float]) -> dict[str, Any]:
 class _SupervisedPass:
     """The SFT loop as a resumable state: model, optimizer and data RNG, so a rollback replays the same steps."""
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, warm: WarmStartConfig) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, warm: WarmStartConfig, prompts: PromptFormat) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.warm = warm
+        self.prompts = prompts
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, betas=(0.9, 0.98), weight_decay=0.01)
         self.rng = random.Random(warm.seed)
         self.step = 0
@@ -143,7 +148,7 @@ class _SupervisedPass:
         self.probes = {name: get_task(name).probe(warm.probe_problems) for name in warm.tasks}
 
     def train_step(self) -> float:
-        inputs, targets = sft_batch(self.tokenizer, self.warm.tasks, self.warm.batch_size, self.rng)
+        inputs, targets = sft_batch(self.tokenizer, self.warm.tasks, self.warm.batch_size, self.rng, self.prompts)
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         for group in self.optimizer.param_groups:
@@ -157,7 +162,7 @@ class _SupervisedPass:
         return self.losses[-1]
 
     def probe_accuracy_by_task(self) -> dict[str, float]:
-        accuracy = {name: accuracy_on(self.model, self.tokenizer, get_task(name), problems)
+        accuracy = {name: accuracy_on(self.model, self.tokenizer, get_task(name), problems, prompts=self.prompts)
                     for name, problems in self.probes.items()}
         self.model.train()
         return accuracy
@@ -240,7 +245,7 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
     warm = config.warm_start
     for name in warm.tasks:
         get_task(name)
-    tokenizer = build_char_tokenizer()
+    tokenizer = load_tokenizer(Path(config.tokenizer).expanduser()) if config.tokenizer else build_char_tokenizer()
     torch.manual_seed(warm.seed)
     model = CausalLM(model_args(config, tokenizer))
     init_weights(model)
@@ -249,7 +254,7 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
         shards = sorted(first.glob("*.safetensors"))
         load_state(model, {name: tensor for shard in shards for name, tensor in load_file(str(shard)).items()})
     model.train()
-    sft = _SupervisedPass(model, tokenizer, warm)
+    sft = _SupervisedPass(model, tokenizer, warm, PromptFormat.of(config, tokenizer))
     with _progress(progress) as bar:
         job = bar.add_task("warm start", total=warm.max_steps, loss=float("nan"), probe="-")
         outcome = _train_to_band(sft, bar, job)
@@ -279,9 +284,17 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
 
 def config_hash(config: ModelConfig) -> str:
     """sha256 of the build recipe and the model config JSON, without the fields that do not change the tiny model's
-    weights (`path`, `cache_dir`, `init`, `init_seed`); the warm start's band, cap and probe are part of it."""
-    tree = config.model_dump(mode="json", exclude={"path", "cache_dir", "init", "init_seed"})
+    weights (`path`, `cache_dir`, `init`, `init_seed`); the warm start's band, cap and probe are part of it, and so
+    are the bytes of `model.tokenizer`'s files and of the warm start's datasets, not where they live."""
+    tree = config.model_dump(mode="json", exclude={"path", "cache_dir", "init", "init_seed", "tokenizer"})
     tree["recipe"] = RECIPE_VERSION
+    if config.tokenizer is not None:
+        tree["tokenizer"] = _hash_files(hashlib.sha256(), Path(config.tokenizer).expanduser(),
+                                        ("tokenizer.json", *TOKENIZER_FILES))
+    datasets = {name: task.fingerprint() for name in config.warm_start.tasks
+                if isinstance(task := get_task(name), DatasetTask)}
+    if datasets:
+        tree["datasets"] = datasets
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -323,12 +336,17 @@ def ensure_base_model(config: ModelConfig, progress: bool = True) -> Path:
 def random_init_hash(config: ModelConfig) -> str:
     """sha256 of what a random init reads: config.json, the tokenizer files and generation_config.json as bytes,
     and the seed; not where they live."""
-    source = Path(config.path or "").expanduser()
     digest = hashlib.sha256(f"random-init {RANDOM_INIT_VERSION} seed {config.init_seed}".encode())
-    for name in ("config.json", "generation_config.json", "tokenizer.json", *TOKENIZER_FILES):
-        if (source / name).is_file():
-            digest.update(name.encode() + b"\0" + (source / name).read_bytes())
-    return digest.hexdigest()[:16]
+    return _hash_files(digest, Path(config.path or "").expanduser(),
+                       ("config.json", "generation_config.json", "tokenizer.json", *TOKENIZER_FILES))[:16]
+
+
+def _hash_files(digest: Any, directory: Path, names: tuple[str, ...]) -> str:
+    """`digest` updated with each file of `names` in `directory` that exists, by name and bytes; its hex digest."""
+    for name in names:
+        if (directory / name).is_file():
+            digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+    return digest.hexdigest()
 
 
 def build_random_model(config: ModelConfig, out_dir: Path) -> dict[str, Any]:

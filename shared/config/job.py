@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from jetroll.shared.config.base import ConfigError, Strict
 from jetroll.shared.config.launch import LaunchConfig, RedisConfig
@@ -23,8 +23,55 @@ from jetroll.shared.config.trainer import TrainerConfig
 
 
 class TaskWeight(Strict):
+    """A registered task in the mix (`kind: registered`, the default)."""
+
+    kind: Literal["registered"] = "registered"
     name: str = Field(description="a registered task name (see jetroll.shared.tasks.registry.TASKS)")
     weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
+
+
+class DatasetTaskConfig(Strict):
+    """A task read from a file (`kind: dataset`): prompts or chat messages, and answers, in JSONL or Parquet
+    (Parquet needs the `data` extra), scored by a reward from the registry. See shared/tasks/dataset.py."""
+
+    kind: Literal["dataset"]
+    name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
+    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
+    path: str = Field(min_length=1, description="a .jsonl or .parquet file, or a directory of such shards (read "
+                      "in name order)")
+    prompt_field: str | None = Field("prompt", description="the row's prompt text (None: use messages_field)")
+    messages_field: str | None = Field(None, description="the row's chat messages, a list of {role, content}, "
+                                       "rendered by the model's chat template (needs model.chat_template: true)")
+    answer_field: str = Field("answer", min_length=1, description="the answer the reward scores against")
+    solution_field: str | None = Field(None, description="a worked solution, the warm start's target (None: the "
+                                       "answer)")
+    reward: str = Field(min_length=1, description="a reward by name: math, code, exact_match, token_f1, ... or "
+                        "one from reward.modules")
+    heldout_path: str | None = Field(None, description="a held-out file (or directory); None: heldout_fraction "
+                                     "of path's rows, chosen by a hash of the prompt")
+    heldout_fraction: float = Field(0.1, gt=0, lt=1, description="share of rows held out when heldout_path is "
+                                    "None")
+    probe_fraction: float = Field(0.05, ge=0, lt=1, description="share of the training file kept out of "
+                                  "training as the warm start's probe set")
+    max_new_tokens: int = Field(64, ge=1, description="generation budget of a completion (capped by "
+                                "rollout.max_new_tokens)")
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> DatasetTaskConfig:
+        if (self.prompt_field is None) == (self.messages_field is None):
+            raise ValueError(f"dataset task {self.name}: set exactly one of prompt_field and messages_field")
+        if self.heldout_path is None and self.heldout_fraction + self.probe_fraction >= 1:
+            raise ValueError(f"dataset task {self.name}: heldout_fraction + probe_fraction must leave rows to train "
+                             "on")
+        return self
+
+
+def _task_kind(entry: Any) -> str:
+    return (entry.get("kind") if isinstance(entry, dict) else getattr(entry, "kind", None)) or "registered"
+
+
+TaskEntry = Annotated[Annotated[TaskWeight, Tag("registered")] | Annotated[DatasetTaskConfig, Tag("dataset")],
+                      Discriminator(_task_kind)]
 
 
 class EvalConfig(Strict):
@@ -53,7 +100,9 @@ class JobConfig(Strict):
                       "rollout's sampling (one stream per traj_id) and the trainer's torch RNG all derive from it; "
                       "the base model has its own, model.warm_start.seed")
     model: ModelConfig = Field(default_factory=ModelConfig)
-    tasks: list[TaskWeight] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1)
+    tasks: list[TaskEntry] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1,
+                                   description="the task mix: registered tasks by name, and `kind: dataset` "
+                                   "entries read from files")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -67,8 +116,23 @@ class JobConfig(Strict):
 
     @model_validator(mode="after")
     def _known_tasks(self) -> JobConfig:
-        from jetroll.shared.tasks.registry import TASKS
+        from jetroll.shared.tasks.dataset import DatasetTask
+        from jetroll.shared.tasks.registry import TASKS, register_dataset
 
+        names = [task.name for task in self.tasks]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tasks: a task appears twice ({names})")
+        for task in self.tasks:
+            if isinstance(task, DatasetTaskConfig):
+                if task.messages_field is not None and not self.model.chat_template:
+                    raise ValueError(f"dataset task {task.name}: messages_field needs model.chat_template: true")
+                if not self.reward.modules:  # a user reward registers only where its module is importable
+                    from jetroll.functions.runner import REWARDS
+
+                    if task.reward not in REWARDS:
+                        raise ValueError(f"dataset task {task.name}: unknown reward {task.reward!r}; valid: "
+                                         f"{sorted(REWARDS)} (or name its module in reward.modules)")
+                register_dataset(DatasetTask.of(task, self.seed))
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")

@@ -57,6 +57,9 @@ class ModelConfig(Strict):
     path: str | None = Field(None, description="HF-format model dir (config.json, tokenizer files and, for "
                              "init: pretrained, the weights); None builds/uses the cached tiny model")
     init_seed: int = Field(0, description="seed of the random weights of init: random")
+    tokenizer: str | None = Field(None, description="init: tiny only: a dir with tokenizer.json and "
+                                  "tokenizer_config.json (e.g. a BPE tokenizer with a chat template) that the tiny "
+                                  "model is built on; None: the built-in char-level vocabulary")
     cache_dir: str = Field("~/.cache/jetroll", description="where the tiny base model is cached")
     hidden_size: int = Field(128, ge=128, multiple_of=128, description="tiny model width")
     num_layers: int = Field(4, ge=1, description="tiny model decoder layers")
@@ -79,6 +82,8 @@ class ModelConfig(Strict):
                              "(a checkpoint) or random (its config.json with random weights)")
         if self.init in ("pretrained", "random") and self.path is None:
             raise ValueError(f"model.init: {self.init} needs model.path, an HF-format model dir")
+        if self.tokenizer is not None and self.path is not None:
+            raise ValueError("model.tokenizer is for the tiny model; a model at model.path brings its own tokenizer")
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from typing import Any
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.tokenizer import Tokenizer
+from jetroll.shared.tasks.base import Problem
 
 
 @lru_cache(maxsize=8)
@@ -47,8 +48,9 @@ def render_chat(template: str, messages: list[dict[str, str]], special_tokens: d
 
 @dataclass(frozen=True, slots=True)
 class PromptFormat:
-    """How a task's prompt becomes token ids: as it is, or (`model.chat_template: true`) as a user message, after
-    `model.system_prompt` if any, rendered by the model's chat template with the generation prompt."""
+    """How a problem becomes token ids: its prompt as it is, or (`model.chat_template: true`) its chat messages (a
+    dataset's) or its prompt as a user message, after `model.system_prompt` if any, rendered by the model's chat
+    template with the generation prompt."""
 
     tokenizer: Tokenizer
     template: str | None = None
@@ -63,12 +65,18 @@ class PromptFormat:
                               "(tokenizer_config.json's chat_template, or chat_template.jinja)")
         return cls(tokenizer, tokenizer.chat_template, config.system_prompt)
 
-    def text(self, prompt: str) -> str:
+    def text(self, problem: Problem) -> str:
+        """The prompt as the model reads it: a problem's chat messages through the template (after the system
+        prompt, unless they bring their own), else its prompt (as a user message when there is a template)."""
         if self.template is None:
-            return prompt
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return render_chat(self.template, [*messages, {"role": "user", "content": prompt}],
+            if problem.messages is not None:
+                raise ConfigError("a problem with chat messages needs model.chat_template: true")
+            return problem.prompt
+        messages = list(problem.messages or [("user", problem.prompt)])
+        if self.system_prompt and messages[0][0] != "system":
+            messages.insert(0, ("system", self.system_prompt))
+        return render_chat(self.template, [{"role": role, "content": content} for role, content in messages],
                            self.tokenizer.special_tokens())
 
-    def ids(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(self.text(prompt))
+    def ids(self, problem: Problem) -> list[int]:
+        return self.tokenizer.encode(self.text(problem))

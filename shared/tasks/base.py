@@ -22,10 +22,13 @@ Split = Literal["train", "probe", "heldout"]
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One problem: the prompt the model continues and the exact expected completion."""
+    """One problem: the prompt the model continues and the expected answer. A dataset row may carry chat messages
+    instead (the prompt is then their last user message, for logs) and a worked solution for the warm start."""
 
     prompt: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs, rendered by the chat template
+    solution: str | None = None
 
 
 @runtime_checkable
@@ -36,8 +39,9 @@ class Task(Protocol):
     reward: str  # name of its reward function in jetroll.functions.registry
     max_new_tokens: int  # generation budget the controller asks rollout for (capped by rollout.max_new_tokens)
 
-    def sample(self, rng: random.Random) -> Problem:
-        """A training problem (never a held-out one)."""
+    def sample(self, rng: random.Random, index: int) -> Problem:
+        """A training problem (never a held-out one) for the group of admission `index` (from 1); `rng` is that
+        group's own. A task drawn without replacement (a dataset) maps the index to a row."""
         ...
 
     def heldout(self, n: int) -> list[Problem]:
@@ -121,7 +125,7 @@ class DrawnTask:
     def make(self, *params: Any) -> Problem:
         raise NotImplementedError
 
-    def sample(self, rng: random.Random) -> Problem:
+    def sample(self, rng: random.Random, index: int = 0) -> Problem:
         return training_problem(rng, self._draw, self.key, self.make)
 
     def heldout(self, n: int) -> list[Problem]:

@@ -6,6 +6,7 @@ from jetroll.shared.tasks.arithmetic import ArithmeticTask
 from jetroll.shared.tasks.base import Task
 from jetroll.shared.tasks.calculator import CalculatorTask
 from jetroll.shared.tasks.count import CountTask
+from jetroll.shared.tasks.dataset import DatasetTask
 
 TASKS: dict[str, Task] = {}
 
@@ -17,6 +18,16 @@ def register_task(task: Task) -> Task:
         raise ValueError(f"task {task.name!r} is already registered")
     TASKS[task.name] = task
     return task
+
+
+def register_dataset(task: DatasetTask) -> None:
+    """Register a job config's dataset task. It replaces an earlier dataset task of its name (the last config
+    validated in a process wins), never a built-in task."""
+    existing = TASKS.get(task.name)
+    if existing is not None and not isinstance(existing, DatasetTask):
+        raise ValueError(f"dataset task {task.name!r}: a built-in task has that name")
+    if existing != task:
+        TASKS[task.name] = task
 
 
 def get_task(name: str) -> Task:

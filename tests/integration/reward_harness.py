@@ -61,7 +61,7 @@ class RewardOnlyTask:
     reward: str
     max_new_tokens: int = 4
 
-    def sample(self, rng: Any) -> Problem:  # pragma: no cover
+    def sample(self, rng: Any, index: int = 0) -> Problem:  # pragma: no cover
         return Problem("", "")
 
     def heldout(self, n: int) -> list[Problem]:  # pragma: no cover

@@ -66,7 +66,7 @@ class SlowTask:
     reward: str = "test_sleep"
     max_new_tokens: int = 4
 
-    def sample(self, rng):  # pragma: no cover - never sampled here
+    def sample(self, rng, index=0):  # pragma: no cover - never sampled here
         return Problem("", "")
 
     def heldout(self, n):  # pragma: no cover

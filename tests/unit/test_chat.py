@@ -19,6 +19,7 @@ from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.rl.loss import token_entropy, token_logprobs
+from jetroll.shared.tasks.base import Problem
 
 
 @pytest.mark.parametrize("system", [None, "Answer with a number only."])
@@ -33,8 +34,8 @@ def test_a_prompt_renders_as_transformers_renders_it(tmp_path: Path, template: s
                                                   chat_template=text, bos_token=bos, eos_token="<|im_end|>")
     messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": "7+31="}]
     expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert prompts.text("7+31=") == expected
-    ids = prompts.ids("7+31=")
+    assert prompts.text(Problem("7+31=", "38")) == expected
+    ids = prompts.ids(Problem("7+31=", "38"))
     assert ids == theirs.encode(expected, add_special_tokens=False)
     if bos:  # the template's {{ bos_token }} is the BOS id, once
         assert ids[0] == tokenizer.backend.token_to_id(bos) and ids.count(ids[0]) == 1
@@ -51,7 +52,7 @@ def test_a_chat_template_needs_a_model_that_ships_one(tmp_path: Path) -> None:
         PromptFormat.of(config.model, load_tokenizer(directory))
     with pytest.raises(ValueError, match="system_prompt needs model.chat_template"):
         validate_config({"model": {"system_prompt": "Be brief."}})
-    assert PromptFormat.of(validate_config({}).model, load_tokenizer(directory)).text("1+1=") == "1+1="
+    assert PromptFormat.of(validate_config({}).model, load_tokenizer(directory)).text(Problem("1+1=", "2")) == "1+1="
 
 
 def test_ids_without_a_string_are_never_sampled_nor_trained_on() -> None:

@@ -28,7 +28,9 @@ PACKAGES = ("shared", "services", "functions")
 VALIDATORS = {"model_validator", "field_validator"}
 
 # fields read only generically, or only by some modes through a path the matcher cannot type; why, per entry
-ALLOWED_UNREAD: dict[str, str] = {}
+ALLOWED_UNREAD: dict[str, str] = {
+    "tasks.kind": "the discriminator of a task entry: pydantic reads it to pick the entry's class (job.py _task_kind)",
+}
 
 
 def _models_in(annotation: object) -> list[tuple[type[BaseModel], bool]]:
@@ -36,6 +38,8 @@ def _models_in(annotation: object) -> list[tuple[type[BaseModel], bool]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [(annotation, False)]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a tagged member of a discriminated union, or the union itself
+        return _models_in(args[0])
     if origin is list:
         return [(cls, True) for cls, _ in _models_in(args[0])]
     if origin in (typing.Union, types.UnionType):
@@ -310,4 +314,4 @@ def test_a_field_read_nowhere_is_reported() -> None:
     cut = {path: text if path == "shared/config/rollout.py" else text.replace(".sample_budget(", ".some_other_budget(")
            for path, text in package_sources().items()}
     assert cut != package_sources()
-    assert unread_fields(cut) == ["rollout.max_new_tokens"]
+    assert [f for f in unread_fields(cut) if f not in ALLOWED_UNREAD] == ["rollout.max_new_tokens"]

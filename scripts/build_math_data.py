@@ -1,0 +1,78 @@
+"""Write data/math_word.jsonl (GSM8K-style word problems: `question`, a worked `solution`, a numeric `answer`) and
+configs/models/bpe-math (a byte-level BPE tokenizer trained on them, with a Qwen-style chat template and
+`<|im_end|>` as its stop token), since nothing can be downloaded from a data or model hub. Deterministic: the files
+are a pure function of this script. Run from the repository root."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+DATA = Path("data/math_word.jsonl")
+TOKENIZER = Path("configs/models/bpe-math")
+NUM_ROWS = 4000
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen's layout without its default system message: the prompt stays short on a 2-core CPU
+TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+NAMES = ["Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim", "Leo", "Mia", "Ned", "Oli", "Pam"]
+ITEMS = ["apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles", "cookies", "stickers"]
+
+
+def problem(rng: random.Random) -> dict[str, str]:
+    """One or two steps of + and - on numbers below 50, as a short story."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a = rng.randint(2, 49)
+    kind = rng.randrange(4)
+    if kind == 0:
+        b = rng.randint(1, 49)
+        return _row(f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+                    [f"{a}+{b}={a + b}"], a + b)
+    if kind == 1:
+        b = rng.randint(1, a)
+        return _row(f"{name} has {a} {item} and gives away {b}. How many {item} are left?",
+                    [f"{a}-{b}={a - b}"], a - b)
+    b, c = rng.randint(1, 49), rng.randint(1, 49)
+    if kind == 2:
+        return _row(f"{name} has {a} {item}, buys {b} more, then buys {c} more. How many {item} now?",
+                    [f"{a}+{b}={a + b}", f"{a + b}+{c}={a + b + c}"], a + b + c)
+    c = rng.randint(1, a + b)
+    return _row(f"{name} has {a} {item}, finds {b} more, then loses {c}. How many {item} now?",
+                [f"{a}+{b}={a + b}", f"{a + b}-{c}={a + b - c}"], a + b - c)
+
+
+def _row(question: str, steps: list[str], answer: int) -> dict[str, str]:
+    return {"question": question, "solution": ". ".join(steps) + f". The answer is {answer}.", "answer": str(answer)}
+
+
+def main() -> None:
+    rng = random.Random(0)
+    rows, seen = [], set()
+    while len(rows) < NUM_ROWS:
+        row = problem(rng)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    DATA.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    backend = Tokenizer(models.BPE())
+    # digits one by one, as Qwen2's tokenizer splits them: arithmetic stays digit-wise
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    backend.decoder = decoders.ByteLevel()
+    corpus = [text for row in rows for text in (row["question"], row["solution"])]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    TOKENIZER.mkdir(parents=True, exist_ok=True)
+    backend.save(str(TOKENIZER / "tokenizer.json"))
+    (TOKENIZER / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "chat_template": TEMPLATE}, indent=2) + "\n")
+    print(f"{DATA}: {len(rows)} rows; {TOKENIZER}: {backend.get_vocab_size()} tokens")
+
+
+if __name__ == "__main__":
+    main()
