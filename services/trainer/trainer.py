@@ -457,13 +457,13 @@ class Trainer:
             raise RuntimeError(f"trainer state {directory / STATE_FILE}: {exc}") from None
         weights = load_file(str(directory / "model.safetensors"))
         load_state(self.model, weights)
-        tensors = load_file(str(directory / "optimizer.safetensors"))
+        tensors = load_file(str(directory / "optimizer.safetensors"))  # fresh, writable tensors: no clone needed
         for name, param in self.model.named_parameters():
             if f"{name}::step" in tensors:
                 self.optimizer.state[param] = {
                     "step": tensors[f"{name}::step"].reshape(()),
-                    "exp_avg": tensors[f"{name}::exp_avg"].view_as(param).clone(),
-                    "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].view_as(param).clone(),
+                    "exp_avg": tensors[f"{name}::exp_avg"].view_as(param),
+                    "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].view_as(param),
                 }
         torch.set_rng_state(tensors["rng::torch"])
         return state
