@@ -45,7 +45,8 @@ def problem(rng: random.Random) -> dict[str, str]:
 
 
 def _row(question: str, steps: list[str], answer: int) -> dict[str, str]:
-    return {"question": question, "solution": ". ".join(steps) + f". The answer is {answer}.", "answer": str(answer)}
+    # the worked steps alone: the math reward reads the last number, and every token costs CPU time in RL
+    return {"question": question, "solution": ". ".join(steps) + ".", "answer": str(answer)}
 
 
 def main() -> None:
