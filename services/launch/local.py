@@ -16,7 +16,8 @@ from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.services.reward.celery_worker import start_worker_process
 from jetroll.shared.config.base import JOB_FAILED_EXIT
-from jetroll.shared.config.job import DatasetTaskConfig, JobConfig, validate_config
+from jetroll.shared.config.dataset import DatasetTaskConfig
+from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.tasks.registry import get_task
 
 POLL_S = 0.5

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,7 +84,8 @@ class Engine:
         self.stop_ids = frozenset((eos_id, *model.args.eos_token_ids))  # every eos id the checkpoint names
         self.max_batch = max_batch
         self.max_len = min(max_len, model.args.max_position_embeddings)
-        self.cache = KVCache(model.args, max_batch, self.max_len)
+        self.device = model.lm_head.weight.device  # the KV cache and every tensor a step makes live beside the model
+        self.cache = KVCache(model.args, max_batch, self.max_len, self.device)
         self.seed = seed
         self.version = 0
         self.waiting: deque[Request] = deque()
@@ -151,12 +153,9 @@ class Engine:
                 width = chunk[0][1].num_tokens - 1
                 while held and (len(chunk) + 1) * width <= RECOMPUTE_TOKENS:
                     chunk.append(held.pop())
-                ids = torch.zeros(len(chunk), width, dtype=torch.long)
-                for row, (_, request) in enumerate(chunk):
-                    cached = (request.prompt_ids + request.output_ids)[:-1]
-                    ids[row, : len(cached)] = torch.tensor(cached)
-                slots = torch.tensor([slot for slot, _ in chunk])
-                self.model(ids, torch.arange(width), self.cache, slot=slots)
+                cached = [(request.prompt_ids + request.output_ids)[:-1] for _, request in chunk]
+                slots = self._tensor([slot for slot, _ in chunk])
+                self.model.hidden(self._padded(cached, width), self._arange(0, width), self.cache, slot=slots)
 
     def resume(self, request: Request, observation_ids: list[int]) -> None:
         """Continue a paused sequence with its environment's observation (loss_mask 0, log-prob 0, tagged with the
@@ -187,8 +186,8 @@ class Engine:
             request.logprobs += [0.0] * len(observation)
             request.versions += [self.version] * len(observation)
             ids = (request.prompt_ids + request.output_ids)[start:]
-            positions = torch.arange(start, start + len(ids))
-            hidden = self.model.hidden(torch.tensor([ids]), positions, self.cache, slot=slot)
+            hidden = self.model.hidden(self._tensor([ids]), self._arange(start, start + len(ids)), self.cache,
+                                       slot=slot)
             finished += self._sample([request], self.model.logits(hidden[:, -1]), first_slot=slot)
         return finished
 
@@ -241,23 +240,21 @@ class Engine:
             while groups and (len(chunk) + 1) * max(width, len(groups[0][0].prompt_ids)) <= RECOMPUTE_TOKENS:
                 width = max(width, len(groups[0][0].prompt_ids))
                 chunk.append(groups.pop(0))
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
             slots, last = [], []
             slot = len(self.running)
-            for row, group in enumerate(chunk):
-                prompt = group[0].prompt_ids
-                ids[row, : len(prompt)] = torch.tensor(prompt)
+            for group in chunk:
                 slots.append(slot)
-                last.append(len(prompt) - 1)
+                last.append(len(group[0].prompt_ids) - 1)
                 slot += len(group)
             first_slot = len(self.running)
-            hidden = self.model.hidden(ids, torch.arange(width), self.cache, slot=torch.tensor(slots))
-            logits = self.model.logits(hidden[torch.arange(len(chunk)), torch.tensor(last)])  # each prompt's last
+            ids = self._padded([group[0].prompt_ids for group in chunk], width)
+            hidden = self.model.hidden(ids, self._arange(0, width), self.cache, slot=self._tensor(slots))
+            logits = self.model.logits(hidden[self._arange(0, len(chunk)), self._tensor(last)])  # each prompt's last
             for group, start, end in zip(chunk, slots, last, strict=True):
                 for i in range(1, len(group)):
                     self.cache.copy_slot(start, start + i, end + 1)
                 self.running.extend(group)
-            sizes = torch.tensor([len(group) for group in chunk])
+            sizes = self._tensor([len(group) for group in chunk])
             batch = [request for group in chunk for request in group]
             finished += self._sample(batch, logits.repeat_interleave(sizes, dim=0), first_slot=first_slot)
         return finished
@@ -268,19 +265,20 @@ class Engine:
         start = time.perf_counter()
         for n in sorted({1, min(2, self.max_batch), min(PACKED_MIN_ROWS, self.max_batch)}):
             # writes into slots that are still free; prefill overwrites them before any read
-            positions = torch.arange(1, n + 1).clamp(max=self.max_len - 1)
-            self.decode_fn(torch.zeros(n, 1, dtype=torch.long), positions, self.cache, int(positions.max()) + 1)
+            positions = self._arange(1, n + 1).clamp(max=self.max_len - 1)
+            self.decode_fn(torch.zeros(n, 1, dtype=torch.long, device=self.device), positions, self.cache,
+                           int(positions.max()) + 1)
         return time.perf_counter() - start
 
     def _decode(self) -> list[Request]:
-        last = torch.tensor([[r.output_ids[-1]] for r in self.running])
+        last = self._tensor([[r.output_ids[-1]] for r in self.running])
         positions = [r.num_tokens - 1 for r in self.running]
-        logits = self.decode_fn(last, torch.tensor(positions), self.cache, max(positions) + 1)
+        logits = self.decode_fn(last, self._tensor(positions), self.cache, max(positions) + 1)
         return self._sample(list(self.running), logits[:, 0], first_slot=0)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor, first_slot: int) -> list[Request]:
         if any(r.temperature not in (0.0, 1.0) for r in batch):
-            logits = logits / torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in batch])[:, None]
+            logits = logits / self._tensor([r.temperature if r.temperature > 0 else 1.0 for r in batch])[:, None]
         logprobs = exact.log_softmax(logits) if self.is_exact else torch.log_softmax(logits, dim=-1)
         tokens = self._choose(batch, logprobs)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
@@ -307,18 +305,28 @@ class Engine:
     def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
         probs = logprobs.exp()
         if any(r.top_p < 1 for r in batch):
-            top_p = torch.tensor([r.top_p for r in batch])
+            top_p = self._tensor([r.top_p for r in batch])
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
             probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
         keys = np.array([r.sampling_key for r in batch], dtype=np.uint64)
         counters = np.array([len(r.output_ids) for r in batch], dtype=np.uint64)
-        sampled = sample_tokens(probs, torch.from_numpy(uniforms(keys, counters)))
+        sampled = sample_tokens(probs, torch.from_numpy(uniforms(keys, counters)).to(self.device))
         if not any(r.temperature == 0 for r in batch):
             return sampled
-        greedy = torch.tensor([r.temperature == 0 for r in batch])
+        greedy = self._tensor([r.temperature == 0 for r in batch])
         return torch.where(greedy, logprobs.argmax(-1), sampled)
+
+    def _padded(self, rows: list[list[int]], width: int) -> torch.Tensor:
+        """Token ids [len(rows), width], each row right-padded with 0."""
+        return self._tensor([row + [0] * (width - len(row)) for row in rows])
+
+    def _tensor(self, data: list[Any]) -> torch.Tensor:
+        return torch.tensor(data, device=self.device)
+
+    def _arange(self, start: int, end: int) -> torch.Tensor:
+        return torch.arange(start, end, device=self.device)
 
     def _release(self, slot: int) -> None:
         last = len(self.running) - 1

@@ -21,7 +21,7 @@ from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.timing_engine import TimingEngine
 from jetroll.services.rollout.turns import TurnRunner
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.model.checkpoint import load_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained, torch_device
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
@@ -95,7 +95,8 @@ class RolloutWorker:
             self.limits = EventLimits.of(self.config, tokenizer.vocab_size)
             return TimingEngine(self.pool.timing or rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, max_batch,
                                 rollout.max_seq_len)
-        model, tokenizer = load_pretrained(directory, self.config.precision.numerics())
+        model, tokenizer = load_pretrained(directory, self.config.precision.numerics(),
+                                           torch_device(rollout.device, "rollout.device"))
         self.tokenizer = tokenizer
         self.limits = EventLimits.of(self.config, model.args.vocab_size)
         return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,

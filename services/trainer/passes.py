@@ -76,7 +76,7 @@ def head_logprobs(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,
 def _chunked_stats(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
                    temperature: torch.Tensor, vocab: int, is_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs at `targets` and token entropies [N] of flat hidden states [N, H], one chunk's logits at a time."""
-    logp, entropy = torch.empty(len(targets)), torch.empty(len(targets))
+    logp, entropy = (torch.empty(len(targets), device=hidden.device) for _ in range(2))
     for chunk in _chunks(len(targets), vocab):
         logits = logits_of(hidden[chunk])[:, None]
         logp[chunk] = token_logprobs(logits, targets[chunk, None], temperature[chunk], is_exact)[:, 0]
@@ -109,7 +109,8 @@ class _ChunkedHead(torch.autograd.Function):
                  grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, temperature, entropy = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape) if ctx.needs_input_grad[1] else None  # fp32 whatever the weight
+        grad_weight = (torch.zeros(weight.shape, device=weight.device)  # fp32 whatever the weight
+                       if ctx.needs_input_grad[1] else None)
         for chunk in _chunks(len(targets), weight.shape[0]):
             scaled = _fast_logits(ctx.model, hidden[chunk], weight).div_(temperature[chunk, None])
             log_probs = torch.log_softmax(scaled, dim=-1)
@@ -119,7 +120,7 @@ class _ChunkedHead(torch.autograd.Function):
                 spread = log_probs.clamp_(min=torch.finfo(log_probs.dtype).min).add_(entropy[chunk, None]).mul_(grad)
             if grad_logp is not None:
                 grad.mul_(-grad_logp[chunk, None])
-                grad[torch.arange(len(grad)), targets[chunk]] += grad_logp[chunk]
+                grad[torch.arange(len(grad), device=grad.device), targets[chunk]] += grad_logp[chunk]
             else:
                 grad.zero_()
             if grad_entropy is not None:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained, torch_device
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import published_dtype
 from jetroll.shared.protocol.bus import RedisBus
@@ -76,7 +76,9 @@ class Trainer:
         self.has_taken_over = False
         self.redis_run_id = ""  # the Redis server's run id when the ledger was last known whole
         assert config.model.path, "the launcher resolves model.path before services start"
-        self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
+        self.device = torch_device(config.trainer.device, "trainer.device")
+        self.model, self.tokenizer = load_pretrained(config.model.path, config.precision.numerics().trainer_side(),
+                                                     self.device)
         self.model.train()
         limits = EventLimits.of(config, self.model.args.vocab_size)
         self.invalid: dict[str, str] = {}  # traj_id -> group_id of scored events dead-lettered since the last read
@@ -93,7 +95,8 @@ class Trainer:
                                            weight_decay=config.trainer.weight_decay)
         self.reference: CausalLM | None = None
         if config.trainer.kl_coef > 0:
-            self.reference, _ = load_pretrained(config.model.path, config.precision.numerics().trainer_side())
+            self.reference, _ = load_pretrained(config.model.path, config.precision.numerics().trainer_side(),
+                                                self.device)
             self.reference.requires_grad_(False)
 
     async def run(self) -> None:
@@ -291,7 +294,7 @@ class Trainer:
     def _train_step(self, groups: list[PendingGroup]) -> dict[str, float]:
         """batch -> pi_prox -> advantages -> the corrected PPO loss -> one optimizer step (the caller publishes)."""
         cfg = self.config.trainer
-        batch = collate(groups, self.tokenizer.pad_id)
+        batch = collate(groups, self.tokenizer.pad_id, self.device)
         # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
         # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
         with_grad = gradient_rows(batch.rewards, has_kl=self.reference is not None)
@@ -461,9 +464,9 @@ class Trainer:
         for name, param in self.model.named_parameters():
             if f"{name}::step" in tensors:
                 self.optimizer.state[param] = {
-                    "step": tensors[f"{name}::step"].reshape(()),
-                    "exp_avg": tensors[f"{name}::exp_avg"].view_as(param),
-                    "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].view_as(param),
+                    "step": tensors[f"{name}::step"].reshape(()),  # AdamW keeps its step count on the host
+                    "exp_avg": tensors[f"{name}::exp_avg"].view_as(param).to(param.device),
+                    "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].view_as(param).to(param.device),
                 }
         torch.set_rng_state(tensors["rng::torch"])
         return state

@@ -73,6 +73,8 @@ class RolloutConfig(Strict):
         True, description="recompute in-flight KV caches after a weight swap; off keeps them (mixed-version keys)")
     compile: bool = Field(True, description="torch.compile the decode step (tens of seconds once per worker)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where each worker's model, KV cache "
+                        "and sampling run: cpu, or cuda[:N] (a CUDA build of torch)")
     env_timeout_s: float = Field(10.0, gt=0, description="multi-turn tasks: limit on each environment reset or "
                                  "step attempt")
     env_max_retries: int = Field(1, ge=0, description="multi-turn tasks: retries of a reset or step that timed out "

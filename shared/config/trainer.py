@@ -44,6 +44,9 @@ class TrainerConfig(Strict):
                                   "newest store.keep_checkpoints of those are kept; every K-th step's state (and its "
                                   "published version) is also kept past retention, for evaluation and export")
     threads: int = Field(1, ge=1, description="torch threads for the trainer")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where the policy, its reference, "
+                        "gradients and optimizer state live: cpu, or cuda[:N] (a CUDA build of torch); checkpoints "
+                        "and published versions are written from the host either way")
     engine: Literal["real", "timing"] = Field("real", description="real: forward/backward and an optimizer step; "
                                               "timing: a sleep instead (weights unchanged), keeping the ledger, acks, "
                                               "metrics and weight publication (benchmarks)")

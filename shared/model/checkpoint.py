@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
@@ -50,9 +51,20 @@ def save_pretrained(
         tokenizer.save(directory)
 
 
-def load_pretrained(directory: str | Path, precision: Precision | None = None) -> tuple[CausalLM, Tokenizer]:
+def torch_device(spec: str, key: str) -> torch.device:
+    """The device a config field (`key`) names; JobFailedError, which no restart can fix, when torch cannot use it."""
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise JobFailedError(f"{key} is {spec}, but this torch ({torch.__version__}) sees no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise JobFailedError(f"{key} is {spec}, but this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def load_pretrained(directory: str | Path, precision: Precision | None = None,
+                    device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer]:
     """Load an HF-format Qwen2, Qwen3 or Llama directory (one safetensors file, or the shards its index maps;
-    fp32/bf16 or block-FP8) into a CausalLM on the CPU: fp32 masters, and FP8 linears keep their published e4m3
+    fp32/bf16 or block-FP8) into a CausalLM on `device`: fp32 masters, and FP8 linears keep their published e4m3
     values and scales. generation_config.json adds its eos ids (config.json then lists them all); its sampling
     settings are not read: the job's `rollout` section decides how rollout samples."""
     directory = Path(directory)
@@ -69,7 +81,7 @@ def load_pretrained(directory: str | Path, precision: Precision | None = None) -
         eos = json.loads(generation.read_text()).get("eos_token_id") or []
         extra = [i for i in (eos if isinstance(eos, list) else [eos]) if i not in args.eos_token_ids]
         args = dataclasses.replace(args, extra_eos_token_ids=(*args.extra_eos_token_ids, *extra))
-    model = CausalLM(args, precision)
+    model = CausalLM(args, precision).to(device)  # before the load: FP8 linears keep the e4m3 tensors they load
     block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
     if block is not None and list(block) != [model.precision.weight_block] * 2:
         raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "

@@ -182,7 +182,7 @@ def _attention_rows(
     length = k_ints.shape[2]
     q_ints, q_scales = align(q, FP32_BLOCK, FP32_BITS)
     scores = block_matmul(q_ints, q_scales, k_ints, k_scales, FP32_BLOCK) * scale  # [B, KV, R, L]
-    is_visible = torch.arange(length) <= q_pos[:, None, :, None]  # [B, 1, R, L]
+    is_visible = torch.arange(length, device=q_pos.device) <= q_pos[:, None, :, None]  # [B, 1, R, L]
     scores = scores.masked_fill(~is_visible, float("-inf"))
     probs = exp(scores - scores.amax(-1, keepdim=True))
     prob_ints = torch.round(probs * 2.0**PROB_BITS).masked_fill(~is_visible, 0.0)

@@ -29,10 +29,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D
 class KVCache:
     """Preallocated per-slot caches: k[layer] and v[layer] are [num_slots, kv_heads, max_len, head_dim]."""
 
-    def __init__(self, args: ModelArgs, num_slots: int, max_len: int) -> None:
+    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, device: torch.device | str = "cpu") -> None:
         shape = (num_slots, args.num_kv_heads, max_len, args.head_dim)
-        self.k = [torch.zeros(shape) for _ in range(args.num_layers)]
-        self.v = [torch.zeros(shape) for _ in range(args.num_layers)]
+        self.k = [torch.zeros(shape, device=device) for _ in range(args.num_layers)]
+        self.v = [torch.zeros(shape, device=device) for _ in range(args.num_layers)]
         self.max_len = max_len
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
@@ -117,7 +117,8 @@ class Attention(nn.Module):
             return self.o_proj(out.reshape(bsz, 1, -1))
         if cache is not None and cache.start:  # append to a running sequence: attend over its cache too
             k, v, _ = cache.update(k, v)  # [1, KV, L, D]
-            is_visible = torch.arange(k.shape[2]) <= torch.arange(cache.start, cache.start + seq)[:, None]  # [S, L]
+            is_visible = (torch.arange(k.shape[2], device=k.device)
+                          <= torch.arange(cache.start, cache.start + seq, device=k.device)[:, None])  # [S, L]
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=is_visible, enable_gqa=True)
             return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         if cache is not None:
@@ -138,12 +139,12 @@ class Attention(nn.Module):
             positions = cache.positions[:, None]
         elif cache is not None and cache.start:  # append to a running sequence, over its cached positions
             k, v, _ = cache.update(k, v)
-            positions = torch.arange(cache.start, cache.start + seq)[None, :]
+            positions = torch.arange(cache.start, cache.start + seq, device=q.device)[None, :]
         else:  # causal from position 0
             if cache is not None:
                 cache.update(k, v)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            positions = torch.arange(seq).expand(bsz, seq)
+            positions = torch.arange(seq, device=q.device).expand(bsz, seq)
         group = self.num_heads // self.num_kv_heads
         q = q.view(bsz, seq, self.num_kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)  # [B, KV, G, S, D]
         out = exact.attention(q, k, v, positions, self.scale)
@@ -243,7 +244,8 @@ class CausalLM(nn.Module):
         if scale != 1.0:  # yarn's attention factor scales cos and sin
             cos, sin = cos * scale, sin * scale
         half = emb.shape[-1] // 2
-        self.no_string: torch.Tensor | None = None  # [V] ids the tokenizer has no string for (mask_ids_past)
+        self.no_string: torch.Tensor | None  # [V] ids the tokenizer has no string for (mask_ids_past)
+        self.register_buffer("no_string", None, persistent=False)  # a buffer: it follows the model's device
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
@@ -284,7 +286,7 @@ class CausalLM(nn.Module):
         """
         bsz, seq = input_ids.shape
         if positions is None:
-            positions = torch.arange(seq).expand(bsz, seq)
+            positions = torch.arange(seq, device=input_ids.device).expand(bsz, seq)
         elif positions.dim() == 1:
             positions = positions[:, None] if slot is None else positions[None, :]
         if cache is not None and slot is None:
@@ -305,8 +307,8 @@ class CausalLM(nn.Module):
 
     def _decode_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        length: int) -> torch.Tensor:
-        blocked = (torch.arange(length)[None, :] > positions[:, None])[:, None, None, :]  # [n, 1, 1, L]
-        rows = torch.arange(input_ids.shape[0])
+        blocked = (torch.arange(length, device=positions.device)[None, :] > positions[:, None])[:, None, None, :]
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         views = [LayerView(k, v, None, rows, positions, length, blocked) for k, v in zip(cache.k, cache.v, strict=True)]
         return self._layers(input_ids, self._rope(positions[:, None]), views)
 
@@ -332,7 +334,7 @@ class CausalLM(nn.Module):
         """Embedding rows past the tokenizer's `num_tokens` have no string: their logits are -inf in every pass, so
         rollout never samples them and the trainer's log-probs and loss never count them."""
         if num_tokens < self.args.vocab_size:
-            self.no_string = torch.arange(self.args.vocab_size) >= num_tokens
+            self.no_string = torch.arange(self.args.vocab_size, device=self.lm_head.weight.device) >= num_tokens
 
     def refresh_inference_weights(self) -> None:
         """Re-round and repack every inference GEMM weight now (a compiled decode cannot notice a swap)."""

@@ -178,7 +178,7 @@ class InferenceWeights:
         if self.config.backend == "exact":
             operands = [lin.exact_operands() for lin in self.linears]
             self.exact_weight = (torch.cat([w for w, _ in operands]), torch.cat([s for _, s in operands]))
-        elif _HAS_ONEDNN:
+        elif _HAS_ONEDNN and weight.device.type == "cpu":  # oneDNN packs CPU weights only
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +241,7 @@ class PrecisionLinear(nn.Linear):
         scale_inv = scale_inv.float()
         with torch.no_grad():
             self.weight.copy_(dequantize(q, scale_inv, block, block))
-        self._fp8 = (self._weight_key(), q, scale_inv)
+        self._fp8 = (self._weight_key(), q.to(self.weight.device), scale_inv.to(self.weight.device))
 
     def rounded_weight(self) -> torch.Tensor:
         """The weight as this linear's GEMM sees it (fp32 values, detached)."""

@@ -103,34 +103,40 @@ class TokenBatch:
     is_correct: list[bool]  # per sequence
 
 
-def collate(groups: list[PendingGroup], pad_id: int) -> TokenBatch:
+def collate(groups: list[PendingGroup], pad_id: int, device: torch.device | str = "cpu") -> TokenBatch:
+    """The groups' samples as right-padded rows, built on the host and moved to `device` once."""
     events = [e for g in groups for e in g.events]
     seqs, rows = [], []
     for scored in events:
         traj = scored.trajectory
         prompt, completion = traj.prompt_ids.numpy(), traj.completion_ids.numpy()
-        seqs.append(torch.from_numpy(np.concatenate([prompt, completion]).astype(np.int64)))
+        seqs.append(np.concatenate([prompt, completion]).astype(np.int64))
         rows.append((len(prompt), traj))
     width = max(len(s) for s in seqs) - 1
     num = len(seqs)
-    input_ids = torch.full((num, width), pad_id, dtype=torch.long)
-    targets = torch.full((num, width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(num, width)
-    behavior = torch.zeros(num, width)
-    v_tok = torch.zeros(num, width, dtype=torch.long)
+    input_ids = np.full((num, width), pad_id, dtype=np.int64)
+    targets = np.full((num, width), pad_id, dtype=np.int64)
+    loss_mask = np.zeros((num, width), dtype=np.float32)
+    behavior = np.zeros((num, width), dtype=np.float32)
+    v_tok = np.zeros((num, width), dtype=np.int64)
     for i, (seq, (prompt_len, traj)) in enumerate(zip(seqs, rows, strict=True)):
         length = len(seq) - 1
         input_ids[i, :length] = seq[:-1]
         targets[i, :length] = seq[1:]
         span = slice(prompt_len - 1, length)  # logits at position t predict token t + 1
-        loss_mask[i, span] = torch.from_numpy(traj.loss_mask.numpy().astype("float32"))
-        behavior[i, span] = torch.from_numpy(traj.behavior_logprobs.numpy().copy())
-        v_tok[i, span] = torch.from_numpy(traj.v_tok.numpy().astype("int64"))
+        loss_mask[i, span] = traj.loss_mask.numpy()
+        behavior[i, span] = traj.behavior_logprobs.numpy()
+        v_tok[i, span] = traj.v_tok.numpy()
+
+    def on_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
     return TokenBatch(
-        input_ids=input_ids, targets=targets, loss_mask=loss_mask, behavior_logp=behavior, v_tok=v_tok,
-        temperature=torch.tensor([e.trajectory.temperature for e in events]),
-        lengths=torch.tensor([len(s) - 1 for s in seqs]),
-        rewards=torch.tensor([[e.reward for e in g.events] for g in groups], dtype=torch.float32),
+        input_ids=on_device(input_ids), targets=on_device(targets), loss_mask=on_device(loss_mask),
+        behavior_logp=on_device(behavior), v_tok=on_device(v_tok),
+        temperature=on_device(np.array([e.trajectory.temperature for e in events], dtype=np.float32)),
+        lengths=on_device(np.array([len(s) - 1 for s in seqs], dtype=np.int64)),
+        rewards=on_device(np.array([[e.reward for e in g.events] for g in groups], dtype=np.float32)),
         tasks=[e.trajectory.task for e in events],
         is_correct=[bool(e.details.get("correct", False)) for e in events],
     )
@@ -152,7 +158,7 @@ class PackedGroups:
 def pack_groups(input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int, pad_id: int) -> PackedGroups:
     """Pack rows [n, W] (whole groups of `group_size` consecutive rows, `lengths` [n] real tokens each): GRPO's
     samples share their prompt, so the trainer's forward and backward run it once per group, not once per sample."""
-    ids, lens = input_ids.numpy(), lengths.tolist()
+    ids, lens = input_ids.cpu().numpy(), lengths.tolist()
     num_rows, width = ids.shape
     index = np.zeros((num_rows, width), dtype=np.int64)
     tokens, positions, owners = [], [], []  # per group; owner -1 is the shared prefix, k the group's k-th row
@@ -183,5 +189,5 @@ def pack_groups(input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int,
         index[g * group_size : (g + 1) * group_size] += g * seq
     is_shared_or_own = (owner[:, None, :] == -1) | (owner[:, None, :] == owner[:, :, None])
     attn_mask = is_shared_or_own & (packed_positions[:, None, :] <= packed_positions[:, :, None])
-    return PackedGroups(torch.from_numpy(packed), torch.from_numpy(packed_positions), torch.from_numpy(attn_mask),
-                        torch.from_numpy(index))
+    device = input_ids.device
+    return PackedGroups(*(torch.from_numpy(array).to(device) for array in (packed, packed_positions, attn_mask, index)))

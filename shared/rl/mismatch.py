@@ -11,6 +11,8 @@ Bucketed by position too: `abs_mean@128-255` covers the logits at positions 128.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 POSITION_EDGES = (0, 128, 256, 512, 1024, 2048)
@@ -23,7 +25,7 @@ def _token_stats(delta: torch.Tensor, tis_cap: float) -> dict[str, float]:
         "abs_mean": abs_mean,
         "abs_max": float(delta.abs().max()),
         "k3": float((torch.expm1(delta) - delta).mean()),
-        "exp_abs_mean": float(torch.exp(torch.tensor(abs_mean))),
+        "exp_abs_mean": math.exp(abs_mean),
         "tis_clip_frac": float((delta.exp() > tis_cap).double().mean()),
     }
 

@@ -19,14 +19,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.dataset import DatasetTaskConfig
 from jetroll.shared.seeds import derive_seed
 from jetroll.shared.tasks.base import Problem, Split
-
-if TYPE_CHECKING:
-    from jetroll.shared.config.job import DatasetTaskConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import redis
+import torch
 from helpers import JETROLL, T, tensorboard_scalars, wait_until, wandb_history
 
 from jetroll.services.controller.sinks import scheme_name
@@ -585,6 +586,16 @@ def test_restart_limit_names_the_service(start_job: Callable[..., Job]) -> None:
     last = job.stderr().strip().splitlines()[-1]
     assert last.startswith("jetroll: service reward died (exit -9) after 1 restarts"), last
     assert not service_pids(None, job.config_path), "the launcher left services running"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(("key", "service"), [("trainer.device", "trainer"), ("rollout.device", "rollout-default-0")])
+def test_a_device_the_machine_lacks_fails_the_job_once(start_job: Callable[..., Job], key: str, service: str) -> None:
+    """The service that reads the field fails with one line, and the launcher does not restart it."""
+    job = start_job(f"{key}=cuda")
+    assert job.wait(120) != 0
+    assert f"service {service} failed the job: {key} is cuda, but this torch" in job.stderr(), job.stderr()
+    assert "restart 1/" not in job.stderr()
 
 
 @dataclass
