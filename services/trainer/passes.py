@@ -159,6 +159,7 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
     is_exact = model.precision.backend == "exact"
     if is_exact:
         prox_logp, entropy = proximal_pass(model, batch.input_ids, batch.targets, batch.temperature)
+        model.release_inference_weights()
     else:  # filled from the passes below: every row gets one
         prox_logp, entropy = torch.zeros_like(batch.behavior_logp), torch.zeros_like(batch.behavior_logp)
     idle = (~with_grad).nonzero().squeeze(-1)
@@ -168,6 +169,7 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
             hidden = group_hidden(model, batch, idle, width, pad_id)
             prox_logp[idle, :width], entropy[idle, :width] = head_logprobs(
                 model, hidden, batch.targets[idle, :width], batch.temperature[idle])
+        model.release_inference_weights()  # this version is used once; the grad pass and backward need the room
     rows = with_grad.nonzero().squeeze(-1)
     if not len(rows):
         return PolicyPass(rows, 0, None, None, prox_logp, entropy)
@@ -185,4 +187,7 @@ def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, w
     """The reference policy's log-probs [rows, width], for the KL term."""
     with torch.no_grad():
         hidden = group_hidden(reference, batch, rows, width, pad_id)
-        return head_logprobs(reference, hidden, batch.targets[rows, :width], batch.temperature[rows])[0]
+        logp = head_logprobs(reference, hidden, batch.targets[rows, :width], batch.temperature[rows])[0]
+    # rebuilt next step: rounding a frozen model costs far less than its forward, and the backward needs the room
+    reference.release_inference_weights()
+    return logp

@@ -328,6 +328,7 @@ class Trainer:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the staging that follows needs the room more than the next step
         return {"grad_norm": grad_norm}
 
     def _batch_stats(self, batch: TokenBatch, policy: PolicyPass) -> dict[str, float]:

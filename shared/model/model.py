@@ -336,6 +336,13 @@ class CausalLM(nn.Module):
         if num_tokens < self.args.vocab_size:
             self.no_string = torch.arange(self.args.vocab_size, device=self.lm_head.weight.device) >= num_tokens
 
+    def release_inference_weights(self) -> None:
+        """Drop every inference GEMM weight's rounded and packed copies; the next no-grad forward rebuilds them."""
+        for module in self.modules():
+            for value in vars(module).values():
+                if isinstance(value, InferenceWeights):
+                    value.release()
+
     def refresh_inference_weights(self) -> None:
         """Re-round and repack every inference GEMM weight now (a compiled decode cannot notice a swap)."""
         for module in self.modules():

@@ -165,6 +165,13 @@ class InferenceWeights:
         self.packed: torch.Tensor | None = None
         self.exact_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # integer-valued [N, K'], scales [N, KB]
 
+    def release(self) -> None:
+        """Drop the rounded and packed copies (the next forward rebuilds them): a trainer's no-grad pass uses a
+        version once, and at 0.5B the copies are 2.9 GB."""
+        self.key = ()
+        self.weight_t = torch.empty(0)
+        self.bias = self.packed = self.exact_weight = None
+
     def refresh(self) -> None:
         tensors = [t for lin in self.linears for t in (lin.weight, lin.bias) if t is not None]
         key = tuple(x for t in tensors for x in (t.data_ptr(), t._version))
