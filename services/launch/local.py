@@ -177,6 +177,9 @@ def check_datasets(config: JobConfig) -> None:
                   f"{len(rows.heldout)} held-out rows from {len(rows.files)} file(s); {len(rows.bad)} bad rows "
                   "skipped" + (f", {rows.heldout_overlap} training rows dropped as held-out duplicates"
                                if rows.heldout_overlap else ""), file=sys.stderr)
+            if len(rows.heldout) < config.eval.num_problems:
+                print(f"jetroll: dataset task {entry.name}: eval.num_problems is {config.eval.num_problems}, but it "
+                      f"has {len(rows.heldout)} held-out rows: the eval scores those", file=sys.stderr)
 
 
 def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:

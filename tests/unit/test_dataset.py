@@ -147,6 +147,15 @@ def test_a_bad_dataset_entry_is_refused_with_one_line(tmp_path: Path, fields: di
         validate_config(dataset_config(tmp_path / "rows.jsonl", **fields))
 
 
+def test_a_short_heldout_split_is_named_before_the_job_starts(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_jsonl(tmp_path / "rows.jsonl", good_rows(300))
+    check_datasets(validate_config({**dataset_config(path), "eval": {"num_problems": 100}}))
+    held = len(get_task("words").rows.heldout)
+    assert held < 100
+    assert f"eval.num_problems is 100, but it has {held} held-out rows" in capsys.readouterr().err
+
+
 def test_data_that_cannot_serve_a_job_fails_before_it_starts(tmp_path: Path) -> None:
     config = validate_config(dataset_config(tmp_path / "missing.jsonl"))
     with pytest.raises(DatasetError, match="missing.jsonl: no such file"):
