@@ -90,21 +90,19 @@ class DatasetTask:
         """Read, validate and split every row (once per process); DatasetError when a split ends up empty."""
         files = shard_files(self.path)
         good, bad = self._read(files)
-        heldout_files: list[Path] = []
+        heldout_files = shard_files(self.heldout_path) if self.heldout_path is not None else []
+        splits: dict[Split, list[Problem]] = {"train": [], "probe": [], "heldout": []}
         overlap = 0
-        if self.heldout_path is not None:
-            heldout_files = shard_files(self.heldout_path)
-            heldout, heldout_bad = self._read(heldout_files)
+        if heldout_files:  # the file is the held-out split; the training file keeps none of its prompts
+            splits["heldout"], heldout_bad = self._read(heldout_files)
             bad += heldout_bad
-            held = {_key(p) for p in heldout}
-            train_and_probe = [p for p in good if _key(p) not in held]
-            overlap = len(good) - len(train_and_probe)
-            train = [p for p in train_and_probe if _bucket(p) >= self.probe_fraction]
-            probe = [p for p in train_and_probe if _bucket(p) < self.probe_fraction]
-        else:
-            heldout = [p for p in good if _split(p, self.heldout_fraction, self.probe_fraction) == "heldout"]
-            probe = [p for p in good if _split(p, self.heldout_fraction, self.probe_fraction) == "probe"]
-            train = [p for p in good if _split(p, self.heldout_fraction, self.probe_fraction) == "train"]
+            held = {_key(p) for p in splits["heldout"]}
+            kept = [p for p in good if _key(p) not in held]
+            overlap, good = len(good) - len(kept), kept
+        heldout_fraction = 0.0 if heldout_files else self.heldout_fraction
+        for problem in good:
+            splits[_split(problem, heldout_fraction, self.probe_fraction)].append(problem)
+        train, probe, heldout = splits["train"], splits["probe"], splits["heldout"]
         for row in bad[:MAX_LOGGED_BAD_ROWS]:
             log.warning("dataset task %s: skipped bad row %s", self.name, row)
         if len(bad) > MAX_LOGGED_BAD_ROWS:
@@ -241,13 +239,9 @@ def _hash_unit(key: str) -> float:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") / 2.0**64
 
 
-def _bucket(problem: Problem) -> float:
-    """A uniform number in [0, 1) fixed by the prompt: where the row falls in the splits."""
-    return _hash_unit(_key(problem))
-
-
 def _split(problem: Problem, heldout_fraction: float, probe_fraction: float) -> Split:
-    bucket = _bucket(problem)
+    """Where the row falls, by a uniform number in [0, 1) fixed by its prompt."""
+    bucket = _hash_unit(_key(problem))
     if bucket < heldout_fraction:
         return "heldout"
     return "probe" if bucket < heldout_fraction + probe_fraction else "train"
