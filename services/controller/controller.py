@@ -294,7 +294,9 @@ class Controller:
             "accuracy_after": sum(after.values()) / len(after) if after else None,
             "accuracy_before_per_task": before,
             "accuracy_after_per_task": after,
-            "num_eval_problems": self.config.eval.num_problems,
+            # what each task was scored on: a dataset's held-out split may be shorter than eval.num_problems
+            "num_eval_problems": {name: len(get_task(name).heldout(self.config.eval.num_problems))
+                                  for name in self.task_names},
             "rollout_tokens_per_s": self.book.rollout_tokens_per_s(),
             "mismatch_mean_abs_logprob": mismatch,
             "mismatch_coverage": coverage,

@@ -32,6 +32,7 @@ def test_a_dataset_job_with_bad_rows_runs_and_counts_them(tmp_path: Path) -> Non
                         "answer_field": "answer", "solution_field": "solution", "reward": "math",
                         "max_new_tokens": 16}]
     config["rollout"]["max_seq_len"] = 64
+    config["eval"]["num_problems"] = 100  # more than the ~40 held-out rows: the job scores the rows it has
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
     result = subprocess.run([*JETROLL, "run", "job.yaml", "--run-dir", str(run_dir)], cwd=tmp_path,
@@ -46,5 +47,7 @@ def test_a_dataset_job_with_bad_rows_runs_and_counts_them(tmp_path: Path) -> Non
     assert report["bad_rows"] == NUM_BAD and report["files"] == [str(tmp_path / "data" / "words.jsonl")]
     assert [row.split(": ", 1)[0].rsplit(":", 1)[1] for row in report["first_bad_rows"]] == ["11", "12", "13"]
     assert summary["accuracy_before"] is not None  # scored on the held-out rows by the math reward
+    assert 0 < report["heldout_rows"] < 100
+    assert summary["num_eval_problems"] == {"words": report["heldout_rows"]}
     resolved = json.loads((run_dir / "config.json").read_text())
     assert resolved["tasks"][0]["path"] == str(tmp_path / "data" / "words.jsonl")
