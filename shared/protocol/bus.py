@@ -124,21 +124,30 @@ class RedisBus:
             raise ValueError(f"count {count} is below the {sum(map(len, events.values()))} events")
         key = self.key(counter)
         moved = f"{key} moved past {expected}: another writer counts into it"
-        async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(key)
-            if int(await pipe.get(key) or 0) != expected:
-                raise RuntimeError(moved)
-            pipe.multi()
-            pipe.incrby(key, count)
-            if scores:
-                pipe.zadd(self.key(index), scores)
-            for stream, batch in events.items():
-                for event in batch:
-                    pipe.xadd(self.key(stream), {FIELD: encode(event)})
+        while True:
             try:
-                await pipe.execute()
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    await pipe.watch(key)
+                    if int(await pipe.get(key) or 0) != expected:
+                        raise RuntimeError(moved)
+                    pipe.multi()
+                    pipe.incrby(key, count)
+                    if scores:
+                        pipe.zadd(self.key(index), scores)
+                    for stream, batch in events.items():
+                        for event in batch:
+                            pipe.xadd(self.key(stream), {FIELD: encode(event)})
+                    await pipe.execute()
+                    return
             except aioredis.WatchError:
-                raise RuntimeError(moved) from None
+                # also raised when the connection drops while watching (a Redis restart): the counter, read on a
+                # retrying connection, tells whether the transaction applied, did not, or met another writer
+                # (whose seed-and-index draw would have published these very groups at the same count)
+                now = int(await self.redis.get(key) or 0)
+                if now == expected + count:
+                    return
+                if now != expected:
+                    raise RuntimeError(moved) from None
 
     async def ensure_group(self, stream: str, group: str) -> None:
         """Create the consumer group at the start of the stream (creating the stream) unless it exists."""

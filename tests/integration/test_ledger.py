@@ -15,7 +15,7 @@ from jetroll.services.controller.controller import Controller
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import WeightsPublishedEvent, decode
+from jetroll.shared.protocol.events import Array, GroupEvent, WeightsPublishedEvent, decode
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome, admission_index, group_id
 from jetroll.shared.protocol.topology import IN_FLIGHT
@@ -58,6 +58,43 @@ def test_old_outcomes_fold_into_totals_and_stay_recorded(any_redis_url: str) -> 
             assert await bus.redis.zcard(bus.key(IN_FLIGHT)) == 0
         finally:
             await bus.close()
+
+    asyncio.run(main())
+
+
+def test_admissions_ride_out_dropped_connections_and_count_once(redis_url: str) -> None:  # noqa: F811
+    """Another client keeps killing the controller's connections (what a Redis restart does) while it admits:
+    a drop while the counter is watched, or before EXEC's reply, neither fails the admission nor applies it twice."""
+    num_admissions = 60
+
+    async def main() -> None:
+        job = f"a{uuid.uuid4().hex[:8]}"
+        bus, killer = RedisBus(redis_url, job), RedisBus(redis_url, job)
+        index = InFlightIndex(bus)
+
+        async def kill_forever() -> None:
+            while True:
+                await killer.redis.client_kill_filter(_type="normal", skipme=True)
+                await asyncio.sleep(0.005)
+
+        killing = asyncio.create_task(kill_forever())
+        try:
+            for i in range(num_admissions):
+                event = GroupEvent(job_id=job, group_id=group_id(i), task="t", pool="default", prompt="1+1=",
+                                   prompt_ids=Array.of([1, 2], "<i4"), answer="2", group_size=4, max_new_tokens=8,
+                                   v_adm=0)
+                await index.admit([event], num_admitted=i, num_indices=1)
+        finally:
+            killing.cancel()
+        try:
+            assert await index.num_admitted() == num_admissions
+            assert await bus.redis.xlen(bus.key("groups:default")) == num_admissions  # each published once
+            assert len(await index.members()) == num_admissions
+            with pytest.raises(RuntimeError, match="another writer"):  # a real second writer is still refused
+                await index.admit([], num_admitted=num_admissions - 1, num_indices=1)
+        finally:
+            await bus.close()
+            await killer.close()
 
     asyncio.run(main())
 
