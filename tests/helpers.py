@@ -59,6 +59,12 @@ def ended(task: asyncio.Task[Any]) -> Callable[[], str]:
     return why
 
 
+def aof_path(redis_dir: Path) -> Path:
+    """The append-only file a server under `redis_dir` writes to: Redis 7's incr file, or 6.2's one file."""
+    (path,) = sorted(redis_dir.glob("appendonlydir/*.incr.aof")) or [redis_dir / "appendonly.aof"]
+    return path
+
+
 def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
     """tag -> step -> value of every scalar in the TensorBoard event files under `directory` (TFRecord framing:
     length, its crc, the Event proto, its crc)."""

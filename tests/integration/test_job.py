@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import redis
 import torch
-from helpers import JETROLL, T, tensorboard_scalars, wait_until, wandb_history
+from helpers import JETROLL, T, aof_path, tensorboard_scalars, wait_until, wandb_history
 
 from jetroll.services.controller.sinks import scheme_name
 from jetroll.services.launch.redis_server import RedisServer
@@ -463,7 +463,7 @@ def aof_commands(data: bytes) -> Iterator[tuple[int, list[bytes]]]:
 def cut_aof_before_step(redis_dir: Path, job_id: str, step: int) -> None:
     """Truncate the job's append-only file before the transaction that first recorded `step` in its ledger: what a
     machine crash leaves of Redis' last second of writes (everything after a point, whole transactions)."""
-    (path,) = sorted(redis_dir.glob("appendonlydir/*.incr.aof")) or [redis_dir / "appendonly.aof"]
+    path = aof_path(redis_dir)
     data = path.read_bytes()
     totals, multi = f"jetroll:{job_id}:ledger:totals".encode(), 0
     for offset, args in aof_commands(data):

@@ -10,18 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import aof_path
 
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.protocol.bus import RedisBus, connect
 from jetroll.shared.protocol.events import MetricsEvent
 
 pytestmark = pytest.mark.integration
-
-
-def aof_bytes(redis_dir: Path) -> bytes:
-    """What the server's append-only file holds so far (Redis 7's appendonlydir, or 6.2's one file)."""
-    paths = sorted(redis_dir.glob("appendonlydir/*.incr.aof")) or [redis_dir / "appendonly.aof"]
-    return b"".join(path.read_bytes() for path in paths if path.exists())
 
 
 def test_a_killed_server_restarts_on_its_port_with_every_write_its_file_holds(redis_binary: str,
@@ -38,7 +33,7 @@ def test_a_killed_server_restarts_on_its_port_with_every_write_its_file_holds(re
                 # everysec: while a background fsync is slow Redis acks and holds the write back for up to 2 s
                 # (a busy disk in CI lost this XADD); a kill loses what the file does not hold yet
                 deadline = time.monotonic() + 5
-                while b"stream" not in aof_bytes(tmp_path / "redis") and time.monotonic() < deadline:
+                while b"stream" not in aof_path(tmp_path / "redis").read_bytes() and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                 assert server._proc is not None
                 os.kill(server._proc.pid, signal.SIGKILL)
