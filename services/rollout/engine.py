@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -64,6 +64,39 @@ class Request:
         for start, length in self.observations:
             mask[start : start + length] = [0] * length
         return mask
+
+
+class RolloutEngine(Protocol):
+    """What the rollout worker drives: jetroll's `Engine`, `VllmEngine` and `TimingEngine`. `step` runs at most one
+    token step and returns what ended; `swap_weights` runs between steps, and the tokens after it carry `version`."""
+
+    version: int
+    max_batch: int
+    max_len: int
+    compile_s: float
+    waiting: deque[Request]
+    running: list[Request]
+    paused: list[Request]
+
+    @property
+    def num_free_slots(self) -> int: ...
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add(self, requests: list[Request]) -> None: ...
+
+    def step(self) -> list[Request]: ...
+
+    def swap_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool = True) -> None: ...
+
+
+class TurnEngine(RolloutEngine, Protocol):
+    """An engine that runs multi-turn episodes: a sequence that ends a turn pauses until `resume` or `finish`."""
+
+    def resume(self, request: Request, observation_ids: list[int]) -> None: ...
+
+    def finish(self, request: Request, reason: str = "stop") -> None: ...
 
 
 class Engine:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.rollout.engine import Request, TurnEngine
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, call_env
@@ -30,7 +30,7 @@ class Episode:
 
 
 class TurnRunner:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, timeout_s: float, max_retries: int = 1) -> None:
+    def __init__(self, engine: TurnEngine, tokenizer: Tokenizer, timeout_s: float, max_retries: int = 1) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
@@ -139,7 +139,7 @@ class TurnRunner:
         task.add_done_callback(self.tasks.discard)
 
 
-async def run_episodes(engine: Engine, runner: TurnRunner) -> list[Request]:
+async def run_episodes(engine: TurnEngine, runner: TurnRunner) -> list[Request]:
     """Drive the engine and the environments until both are idle (evaluation, tests); returns requests as they
     finish. Engine steps run on the event loop, which serves the environments between steps."""
     finished = []

@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.timing_engine import TimingEngine
 from jetroll.services.rollout.turns import TurnRunner
+from jetroll.services.rollout.vllm_engine import VllmEngine
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.model.checkpoint import load_pretrained, torch_device
+from jetroll.shared.model.checkpoint import load_pretrained, read_args, torch_device
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
@@ -55,7 +56,9 @@ class RolloutWorker:
         self.in_flight = InFlightIndex(bus)
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
-        self.engine: Engine | TimingEngine | None = None
+        self.engine_name = config.rollout.engine_of(self.pool)
+        self.precision_id = config.precision.rollout_precision_id(self.engine_name)
+        self.engine: Engine | VllmEngine | TimingEngine | None = None
         self.limits: EventLimits | None = None  # set with the engine: token ids must fit its embedding
         self.tokenizer: Tokenizer | None = None
         self.turns: TurnRunner | None = None  # multi-turn environments (the real engine only)
@@ -75,7 +78,7 @@ class RolloutWorker:
         self.engine.version = version
         self.serving_since = self.ticked_at = time.monotonic()
         log.info("%s serving version %d (decode compile %.1f s)", self.consumer, version, self.engine.compile_s)
-        if isinstance(self.engine, Engine):
+        if not isinstance(self.engine, TimingEngine):
             assert self.tokenizer is not None
             rollout = self.config.rollout
             self.turns = TurnRunner(self.engine, self.tokenizer, rollout.env_timeout_s, rollout.env_max_retries)
@@ -87,14 +90,20 @@ class RolloutWorker:
             if self.turns is not None:
                 await self.turns.close()
 
-    def _setup_engine(self, directory: Path) -> Engine | TimingEngine:
+    def _setup_engine(self, directory: Path) -> Engine | VllmEngine | TimingEngine:
         rollout = self.config.rollout
         max_batch = self.pool.max_batch or rollout.max_batch
-        if rollout.engine == "timing":
+        if self.engine_name == "timing":
             tokenizer = load_tokenizer(directory)
             self.limits = EventLimits.of(self.config, tokenizer.vocab_size)
             return TimingEngine(self.pool.timing or rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, max_batch,
                                 rollout.max_seq_len)
+        if self.engine_name == "vllm":
+            args, _ = read_args(directory)  # what jetroll's loader refuses, vLLM never runs
+            self.tokenizer = load_tokenizer(directory)
+            self.limits = EventLimits.of(self.config, args.vocab_size)
+            return VllmEngine(directory, args, self.tokenizer.vocab_size, self.config.precision.mode, max_batch,
+                              rollout.max_seq_len, seed=self.config.seed, compile=rollout.compile)
         model, tokenizer = load_pretrained(directory, self.config.precision.numerics(),
                                            torch_device(rollout.device, "rollout.device"))
         self.tokenizer = tokenizer
@@ -260,7 +269,7 @@ class RolloutWorker:
             v_tok=Array.of(request.versions, "<i4"),
             v_adm=group.v_adm, group_size=group.group_size,
             temperature=request.temperature, top_p=request.top_p,
-            precision_id=self.config.precision.precision_id,
+            precision_id=self.precision_id,
             finish_reason="stop" if request.finish_reason == "stop" else "length",
             env_status=request.env_status,
             env_reward=request.env_reward,

@@ -348,8 +348,15 @@ class Trainer:
         mask = batch.loss_mask > 0
         same_version = one_version_tokens(mask, batch.v_tok, self.version,
                                           kept_kv=not self.config.rollout.recompute_kv_on_swap)
-        delta = (prox_logp - batch.behavior_logp).abs()[same_version]
-        return mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap) | {
+        abs_delta = (prox_logp - batch.behavior_logp).abs()
+        delta = abs_delta[same_version]
+        per_pool = {}  # pools may run different engines: each has its own gap to the trainer
+        for pool in sorted(set(batch.pools)):
+            rows = torch.tensor([p == pool for p in batch.pools], device=mask.device)
+            pool_delta = abs_delta[same_version & rows[:, None]]
+            per_pool[f"mismatch/pool/{pool}"] = float(pool_delta.mean()) if pool_delta.numel() else float("nan")
+        stats = mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap)
+        return stats | per_pool | {
             "mismatch_abs_sum": float(delta.sum()),
             "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
             "mismatch_tokens": float(same_version.sum()),

@@ -63,6 +63,13 @@ class PrecisionConfig(Strict):
         numeric = self.model_dump_json(exclude={"correction", "correction_cap", "decoupled_band", "icepop_band"})
         return hashlib.sha256(numeric.encode()).hexdigest()[:12]
 
+    def rollout_precision_id(self, engine: str) -> str:
+        """What a rollout engine stamps on its trajectories: jetroll's engine runs the trainer's own numerics, so it
+        keeps `precision_id`; another engine runs them its own way, and its id says which."""
+        if engine == "jetroll":
+            return self.precision_id
+        return hashlib.sha256(f"{self.precision_id}:{engine}".encode()).hexdigest()[:12]
+
     def numerics(self) -> Precision:
         """What the model and the engines compute with."""
         return Precision(mode=self.mode, backend=self.backend, backward=self.backward, fmt=self.fmt,

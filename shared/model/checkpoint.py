@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -68,6 +69,24 @@ def load_pretrained(directory: str | Path, precision: Precision | None = None,
     values and scales. generation_config.json adds its eos ids (config.json then lists them all); its sampling
     settings are not read: the job's `rollout` section decides how rollout samples."""
     directory = Path(directory)
+    args, hf_config = read_args(directory)
+    model = CausalLM(args, precision).to(device)  # before the load: FP8 linears keep the e4m3 tensors they load
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+    if block is not None and list(block) != [model.precision.weight_block] * 2:
+        raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "
+                         f"{model.precision.weight_block}")
+    load_state(model, read_weights(directory))
+    tokenizer = load_tokenizer(directory)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only "
+                         f"{args.vocab_size} rows")
+    model.mask_ids_past(tokenizer.vocab_size)
+    return model, tokenizer
+
+
+def read_args(directory: Path) -> tuple[ModelArgs, dict[str, Any]]:
+    """The model a directory holds, as `ModelArgs` (refusing what jetroll does not run), and its raw config.json;
+    generation_config.json's eos ids join the checkpoint's."""
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
@@ -81,18 +100,7 @@ def load_pretrained(directory: str | Path, precision: Precision | None = None,
         eos = json.loads(generation.read_text()).get("eos_token_id") or []
         extra = [i for i in (eos if isinstance(eos, list) else [eos]) if i not in args.eos_token_ids]
         args = dataclasses.replace(args, extra_eos_token_ids=(*args.extra_eos_token_ids, *extra))
-    model = CausalLM(args, precision).to(device)  # before the load: FP8 linears keep the e4m3 tensors they load
-    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
-    if block is not None and list(block) != [model.precision.weight_block] * 2:
-        raise ValueError(f"{directory} holds FP8 weights in {block} blocks; precision.weight_block is "
-                         f"{model.precision.weight_block}")
-    load_state(model, read_weights(directory))
-    tokenizer = load_tokenizer(directory)
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only "
-                         f"{args.vocab_size} rows")
-    model.mask_ids_past(tokenizer.vocab_size)
-    return model, tokenizer
+    return args, hf_config
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -100,6 +100,7 @@ class TokenBatch:
     lengths: torch.Tensor  # [B] input tokens of each row, the rest is padding
     rewards: torch.Tensor  # [G, group_size]
     tasks: list[str]  # per sequence
+    pools: list[str]  # per sequence: the rollout pool that generated it
     is_correct: list[bool]  # per sequence
 
 
@@ -138,6 +139,7 @@ def collate(groups: list[PendingGroup], pad_id: int, device: torch.device | str 
         lengths=on_device(np.array([len(s) - 1 for s in seqs], dtype=np.int64)),
         rewards=on_device(np.array([[e.reward for e in g.events] for g in groups], dtype=np.float32)),
         tasks=[e.trajectory.task for e in events],
+        pools=[e.trajectory.pool for e in events],
         is_correct=[bool(e.details.get("correct", False)) for e in events],
     )
 

