@@ -8,13 +8,17 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
+# vLLM's CPU build, for the vllm engine's tests (the default job does not need it)
+$(VENV)/.vllm: $(VENV)/.installed
+	bash scripts/setup.sh --vllm
+
 demo: setup  ## README command 1: the default arithmetic RL job, end to end
 	$(BIN)/jetroll run configs/arithmetic.yaml
 
-test: setup  ## README command 2: the whole suite, slow end-to-end tests included
+test: setup $(VENV)/.vllm  ## README command 2: the whole suite, slow end-to-end tests included
 	$(BIN)/pytest -q
 
-test-fast: setup  ## unit and integration tests without the slow end-to-end runs
+test-fast: setup $(VENV)/.vllm  ## unit and integration tests without the slow end-to-end runs
 	$(BIN)/pytest -q -m "not slow"
 
 lint: setup

