@@ -135,7 +135,13 @@ def host_port(spec: str | int | dict[str, Any]) -> str | None:
 
 def test_images_and_ports_are_consistent(services: dict[str, dict[str, Any]],
                                          built: dict[str, dict[str, Any]]) -> None:
-    assert len({svc["image"] for svc in built.values()}) == 1, "services built from the Dockerfile share one tag"
+    # one tag per variant of the Dockerfile: jetroll:latest (CPU) for every service, jetroll:gpu for the vLLM pool
+    tags = {svc["image"]: svc["build"].get("args", {}).get("TORCH_VARIANT") for svc in built.values()}
+    assert tags == {"jetroll:latest": "${JETROLL_TORCH_VARIANT:-cpu}", "jetroll:gpu": "gpu"}, tags
+    assert [name for name, svc in built.items() if svc["image"] == "jetroll:gpu"] == ["rollout-vllm"]
+    vllm = built["rollout-vllm"]
+    assert vllm["profiles"] == ["vllm"] and vllm["command"][-2:] == ["--pool", "vllm"]
+    assert vllm["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     for name, svc in built.items():
         build = svc["build"]
         assert build["context"] == "." and build.get("dockerfile", "Dockerfile") == "Dockerfile", name
@@ -158,6 +164,7 @@ def test_images_and_ports_are_consistent(services: dict[str, dict[str, Any]],
 
 def test_the_stacks_job_config_fits_the_stack(compose: dict[str, Any], built: dict[str, dict[str, Any]]) -> None:
     config = load_config(REPO / "configs" / "compose.yaml")
+    assert config.model == load_config(REPO / "configs" / "arithmetic.yaml").model  # the default job's base, shared
     env = built["controller"]["environment"]
     assert config.store.type == "s3" and config.store.endpoint_url == env["AWS_ENDPOINT_URL"]
     bucket, _ = config.store.bucket_and_prefix
