@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--repeats", type=int, default=3)
     engine.add_argument("--threads", type=int, default=2)
     engine.add_argument("--no-compile", action="store_true", help="eager decode (skips torch.compile)")
+    engine.add_argument("--no-vllm", action="store_true", help="no vLLM column (default: one if vLLM is installed)")
+    engine.add_argument("--swap-shapes", default="tiny,wide", help="models whose swap cost is timed (with vLLM): "
+                        "tiny (the bench's) and wide (hidden 1024, 8 layers)")
     store = bench_sub.add_parser("store", help="weight store publish+fetch vs the essential work (local, S3)")
     store.add_argument("--json", action="store_true", help="print one JSON object")
     store.add_argument("--synthetic-mb", type=int, default=200, help="size of the synthetic checkpoint's shard")
@@ -345,7 +348,9 @@ def _bench(args: argparse.Namespace) -> int:
         "shape": lambda m: m.run_shape_bench(args.layers, args.max_steps, args.run_dir, args.overrides),
         "engine": lambda m: m.run_engine_bench(batch_sizes=ints(args.batch_sizes), new_tokens=args.new_tokens,
                                                repeats=args.repeats, threads=args.threads,
-                                               compile=not args.no_compile),
+                                               compile=not args.no_compile,
+                                               include_vllm=False if args.no_vllm else None,
+                                               swap_shapes=tuple(args.swap_shapes.split(","))),
     }
     module = importlib.import_module(f"jetroll.services.bench.{'async_' if args.bench == 'async' else args.bench}")
     result = runs[args.bench](module)

@@ -3,6 +3,7 @@ rot. Speed is not asserted."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,14 +20,19 @@ FAKE_LAMBDA = Path(__file__).resolve().parents[1] / "fakes" / "lambda_invoke.py"
 def test_bench_engine_json_smoke() -> None:
     out = subprocess.run(
         [*JETROLL, "bench", "engine", "--json", "--batch-sizes", "1,2",
-         "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-compile"],
+         "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--no-compile", "--swap-shapes", "tiny"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert [row["batch_size"] for row in result["rows"]] == [1, 2]
+    has_vllm = importlib.util.find_spec("vllm") is not None
     for row in result["rows"]:
         assert row["hf_tokens_per_s"] > 0 and row["jetroll_fp32_tokens_per_s"] > 0
         assert row["jetroll_fp8_tokens_per_s"] > 0
+        assert (row["vllm_tokens_per_s"] > 0) if has_vllm else row["vllm_tokens_per_s"] is None
+    if has_vllm:  # the swap's cost on both engines
+        assert {shape: set(cost) for shape, cost in result["swap"].items()} == {"tiny": {"params", "jetroll", "vllm"}}
+        assert all(cost[e]["pause_to_resume_s"] > 0 for cost in result["swap"].values() for e in ("jetroll", "vllm"))
     summary = result["summary"]
     assert {"speedup_b1", "speedup_b64", "fp8_over_fp32"} <= set(summary)
     assert summary["speedup_b1"] > 0
