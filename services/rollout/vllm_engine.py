@@ -57,7 +57,7 @@ class VllmEngine:
     loader accepted as `args`; `vocab_size` is the tokenizer's: ids past it have no string and are never sampled."""
 
     def __init__(self, directory: Path, args: ModelArgs, vocab_size: int, mode: str, max_batch: int, max_len: int,
-                 seed: int = 0, compile: bool = False) -> None:
+                 seed: int = 0, compile: bool = False, device: str = "cpu") -> None:
         is_fp8 = mode.startswith("fp8")
         widths = {"hidden_size": args.hidden_size, "q": args.num_heads * args.head_dim,
                   "k/v": args.num_kv_heads * args.head_dim, "intermediate_size": args.intermediate_size}
@@ -65,6 +65,12 @@ class VllmEngine:
             raise JobFailedError(f"rollout.engine vllm runs block-FP8 linears only on widths that are multiples of "
                                  f"{FP8_BLOCK}; this model has {odd}: run precision.mode bf16 or fp32 on vllm pools")
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        runs_on = current_platform.device_type
+        if runs_on != torch.device(device).type:  # vLLM's build decides where it runs, not the config
+            raise JobFailedError(f"rollout.device is {device}, but the installed vLLM runs on {runs_on}: install "
+                                 f"the build for {torch.device(device).type} or set rollout.device {runs_on}")
         self.sampling_params, self.output_kind = vllm.SamplingParams, vllm.sampling_params.RequestOutputKind.DELTA
         self.tokens_prompt = vllm.TokensPrompt
         self.max_batch = max_batch

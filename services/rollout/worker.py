@@ -104,7 +104,8 @@ class RolloutWorker:
             self.tokenizer = load_tokenizer(directory)
             self.limits = EventLimits.of(self.config, args.vocab_size)
             return VllmEngine(directory, args, self.tokenizer.vocab_size, self.config.precision.mode, max_batch,
-                              rollout.max_seq_len, seed=self.config.seed, compile=rollout.compile)
+                              rollout.max_seq_len, seed=self.config.seed, compile=rollout.compile,
+                              device=rollout.device)
         model, tokenizer = load_pretrained(directory, self.config.precision.numerics(),
                                            torch_device(rollout.device, "rollout.device"))
         self.tokenizer = tokenizer

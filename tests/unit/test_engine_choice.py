@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,18 @@ def test_fp8_on_vllm_needs_widths_in_whole_blocks() -> None:
                      max_position_embeddings=64)
     with pytest.raises(JobFailedError, match=r"multiples of 128; this model has \{'k/v': 64\}"):
         VllmEngine(Path("unused"), args, 64, "fp8_unified", max_batch=4, max_len=32)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (scripts/setup.sh --vllm)")
+def test_a_device_the_installed_vllm_does_not_run_on_is_refused() -> None:
+    """vLLM's build decides where it runs: rollout.device cuda with the CPU build fails in one line, never runs on the
+    CPU instead (a subprocess: importing vLLM takes seconds and patches torch)."""
+    code = ("from pathlib import Path\n"
+            "from jetroll.services.rollout.vllm_engine import VllmEngine\n"
+            "from jetroll.shared.model.args import ModelArgs\n"
+            "args = ModelArgs(vocab_size=64, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1, "
+            "intermediate_size=256, max_position_embeddings=64)\n"
+            "try:\n    VllmEngine(Path('unused'), args, 64, 'fp32', 4, 32, device='cuda')\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("JobFailedError rollout.device is cuda, but the installed vLLM runs on cpu"), out
