@@ -194,9 +194,8 @@ class Engine:
         """Continue a paused sequence with its environment's observation (loss_mask 0, log-prob 0, tagged with the
         version that appends it); the next step prefills it after the sequence's cached positions."""
         assert request in self.paused and request.request_id not in self.resuming
-        if (len(request.output_ids) + len(observation_ids) >= request.max_new_tokens
-                or request.num_tokens + len(observation_ids) >= self.max_len):
-            self.finish(request, "length")  # no room left for a model turn after the observation
+        if not has_room_after(request, observation_ids, self.max_len):
+            self.finish(request, "length")
             return
         self.resuming[request.request_id] = observation_ids
 
@@ -368,6 +367,12 @@ class Engine:
             self.cache.copy_slot(last, slot, moved.num_tokens)
             self.running[slot] = moved
         self.running.pop()
+
+
+def has_room_after(request: Request, observation_ids: list[int], max_len: int) -> bool:
+    """Whether a model turn still fits after appending an observation: in the sample's budget and in the context."""
+    return (len(request.output_ids) + len(observation_ids) < request.max_new_tokens
+            and request.num_tokens + len(observation_ids) < max_len)
 
 
 def sample_tokens(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from jetroll.services.rollout.engine import Request
+from jetroll.services.rollout.engine import Request, has_room_after
 from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.seeds import derive_seed
@@ -174,9 +174,8 @@ class VllmEngine:
         """Continue a paused sequence with its environment's observation (loss_mask 0, log-prob 0, tagged with the
         version that appends it) at the next step."""
         assert request in self.paused and request.request_id not in self.resuming
-        if (len(request.output_ids) + len(observation_ids) >= request.max_new_tokens
-                or request.num_tokens + len(observation_ids) >= self.max_len):
-            self.finish(request, "length")  # no room left for a model turn after the observation
+        if not has_room_after(request, observation_ids, self.max_len):
+            self.finish(request, "length")
             return
         self.resuming[request.request_id] = observation_ids
 
