@@ -158,8 +158,7 @@ def run_engine_bench(
             # one engine for every batch size: vLLM schedules what it is given, up to max_num_seqs
             vllm_engine = VllmEngine(directory / "tiny", fp32_model.args, tokenizer.vocab_size, "fp32",
                                      max_batch=max(batch_sizes), max_len=prompt_len + new_tokens, seed=SEED,
-                                     compile=compile)
-            vllm_threads = torch.get_num_threads()  # vLLM's CPU worker may not change it (nor may anyone after)
+                                     compile=compile, threads=threads)
         fp8_model = None
         if include_fp8:
             fp8_model = CausalLM(fp32_model.args, Precision(mode="fp8_unified")).eval()
@@ -214,7 +213,7 @@ def run_engine_bench(
                     "jetroll": _swap_cost(lambda m=models[0], n=max_len: Engine(m, tokenizer.eos_id, 16, n), states,
                                           prompt_len, repeats),
                     "vllm": _swap_cost(lambda d=directory / f"{shape}0", a=args, n=max_len: VllmEngine(
-                        d, a, tokenizer.vocab_size, "fp32", 16, n), states, prompt_len, repeats),
+                        d, a, tokenizer.vocab_size, "fp32", 16, n, threads=threads), states, prompt_len, repeats),
                 }
     by_batch = {row["batch_size"]: row for row in rows}
     fp8_basis = 64 if 64 in by_batch else None
@@ -237,7 +236,7 @@ def run_engine_bench(
             "jetroll": "Engine.generate, temperature=1, top_p=1, ignore_eos; "
                        + ("decode under torch.compile (compile_s: once per engine, not in runs_s)" if compile
                           else "eager decode (warm-up = first run)"),
-            "vllm": (f"vllm {vllm_version} LLMEngine in this process (VllmEngine), fp32, {vllm_threads} torch "
+            "vllm": (f"vllm {vllm_version} LLMEngine in this process (VllmEngine), fp32, {threads} torch "
                      f"threads, cores not bound, {'torch.compile' if compile else 'eager'}; one engine for every "
                      f"batch size (start-up {vllm_engine.compile_s:.1f} s, outside the runs)") if vllm_engine
                     else "not installed: no vLLM column",

@@ -33,6 +33,9 @@ from jetroll.shared.seeds import derive_seed
 
 # vLLM's dtype per precision.mode; an FP8 mode's published versions carry a block-FP8 `quantization_config`, which vLLM
 # reads from config.json: its linears run block-FP8 (1x128 activation groups), the rest bf16
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op at start-up; the engine keeps the real one, since each
+# thread that steps vLLM needs the thread count its attention metadata was built for (OpenMP counts are per thread)
+_set_torch_threads = torch.set_num_threads
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_unified": "bfloat16", "fp8_rollout_only": "bfloat16"}
 FP8_BLOCK = 128
 KV_BLOCK_TOKENS = 128  # vLLM's KV blocks: 128 tokens on its CPU backend, 16 on GPUs; the cache is sized for 128
@@ -59,7 +62,7 @@ class VllmEngine:
     loader accepted as `args`; `vocab_size` is the tokenizer's: ids past it have no string and are never sampled."""
 
     def __init__(self, directory: Path, args: ModelArgs, vocab_size: int, mode: str, max_batch: int, max_len: int,
-                 seed: int = 0, compile: bool = False, device: str = "cpu") -> None:
+                 seed: int = 0, compile: bool = False, device: str = "cpu", threads: int = 1) -> None:
         is_fp8 = mode.startswith("fp8")
         widths = {"hidden_size": args.hidden_size, "q": args.num_heads * args.head_dim,
                   "k/v": args.num_kv_heads * args.head_dim, "intermediate_size": args.intermediate_size}
@@ -84,6 +87,8 @@ class VllmEngine:
         kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * (4 if mode == "fp32" else 2)
         # room for every slot at full length, twice over: the prefix cache keeps paused turns' blocks
         blocks = max_batch * -(-self.max_len // KV_BLOCK_TOKENS) * 2
+        self.threads = threads
+        _set_torch_threads(threads)
         started = time.perf_counter()
         try:
             self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(
@@ -127,6 +132,8 @@ class VllmEngine:
         turn (finish_reason None: now paused)."""
         for request in [r for r in self.paused if r.request_id in self.resuming]:
             self._append(request, self.resuming.pop(request.request_id))
+        if torch.get_num_threads() != self.threads:  # a thread of the worker's pool, at OpenMP's default count
+            _set_torch_threads(self.threads)
         ended = []
         for output in self.llm.step():
             request = self.in_vllm[output.request_id]

@@ -105,7 +105,7 @@ class RolloutWorker:
             self.limits = EventLimits.of(self.config, args.vocab_size)
             return VllmEngine(directory, args, self.tokenizer.vocab_size, self.config.precision.mode, max_batch,
                               rollout.max_seq_len, seed=self.config.seed, compile=rollout.compile,
-                              device=rollout.device)
+                              device=rollout.device, threads=rollout.threads)
         model, tokenizer = load_pretrained(directory, self.config.precision.numerics(),
                                            torch_device(rollout.device, "rollout.device"))
         self.tokenizer = tokenizer
