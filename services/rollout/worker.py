@@ -61,7 +61,7 @@ class RolloutWorker:
         self.engine: Engine | VllmEngine | TimingEngine | None = None
         self.limits: EventLimits | None = None  # set with the engine: token ids must fit its embedding
         self.tokenizer: Tokenizer | None = None
-        self.turns: TurnRunner | None = None  # multi-turn environments (the real engine only)
+        self.turns: TurnRunner | None = None  # multi-turn environments (every engine but the timing model)
         self.env_failures: Counter[str] = Counter()  # env_status -> trajectories that ended with it
         self.num_tokens = 0
         self.num_trajectories = 0
@@ -102,6 +102,9 @@ class RolloutWorker:
         if self.engine_name == "vllm":
             args, _ = read_args(directory)  # what jetroll's loader refuses, vLLM never runs
             self.tokenizer = load_tokenizer(directory)
+            if self.tokenizer.vocab_size > args.vocab_size:
+                raise ValueError(f"{directory}: the tokenizer has {self.tokenizer.vocab_size} tokens, the embedding "
+                                 f"only {args.vocab_size} rows")
             self.limits = EventLimits.of(self.config, args.vocab_size)
             return VllmEngine(directory, args, self.tokenizer.vocab_size, self.config.precision.mode, max_batch,
                               rollout.max_seq_len, seed=self.config.seed, compile=rollout.compile,
