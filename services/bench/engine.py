@@ -71,21 +71,15 @@ def _engine_runner(
     model: CausalLM, prompts: torch.Tensor, new_tokens: int, eos_id: int, compile: bool
 ) -> tuple[Callable[[], None], float]:
     """The timed run, and the engine's compile time (paid once at construction, outside the runs)."""
-    from jetroll.services.rollout.engine import Engine, Request
+    from jetroll.services.rollout.engine import Engine
 
     bsz, prompt_len = prompts.shape
     engine = Engine(model, eos_id=eos_id, max_batch=bsz, max_len=prompt_len + new_tokens, seed=SEED, compile=compile)
-    rows = prompts.tolist()
-
-    def run() -> None:
-        requests = [Request(f"r{i}", rows[i], new_tokens, ignore_eos=True) for i in range(bsz)]
-        engine.generate(requests)
-        assert all(len(r.output_ids) == new_tokens for r in requests)
-
-    return run, engine.compile_s
+    return _generate_runner(engine, prompts, new_tokens), engine.compile_s
 
 
-def _vllm_runner(engine: Any, prompts: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+def _generate_runner(engine: Any, prompts: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+    """One timed run: every prompt generates exactly `new_tokens` on `engine` (jetroll's or vLLM's)."""
     from jetroll.services.rollout.engine import Request
 
     rows = prompts.tolist()
@@ -175,7 +169,7 @@ def run_engine_bench(
                 runners["jetroll_fp8"], compile_s["jetroll_fp8"] = _engine_runner(
                     fp8_model, prompts, new_tokens, tokenizer.eos_id, compile)
             if vllm_engine is not None:
-                runners["vllm"], compile_s["vllm"] = _vllm_runner(vllm_engine, prompts, new_tokens), 0.0
+                runners["vllm"], compile_s["vllm"] = _generate_runner(vllm_engine, prompts, new_tokens), 0.0
             warmup_s = {name: _timed(run) for name, run in runners.items()}
             runs_s: dict[str, list[float]] = {name: [] for name in runners}
             for _ in range(repeats):  # interleaved, so machine noise hits every side alike
