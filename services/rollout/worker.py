@@ -111,6 +111,7 @@ class RolloutWorker:
                               device=rollout.device, threads=rollout.threads)
         model, tokenizer = load_pretrained(directory, self.config.precision.numerics(),
                                            torch_device(rollout.device, "rollout.device"))
+        model.share_inference_masters()  # this model never trains: hold its block linears once
         self.tokenizer = tokenizer
         self.limits = EventLimits.of(self.config, model.args.vocab_size)
         return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,

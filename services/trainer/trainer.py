@@ -98,6 +98,7 @@ class Trainer:
             self.reference, _ = load_pretrained(config.model.path, config.precision.numerics().trainer_side(),
                                                 self.device)
             self.reference.requires_grad_(False)
+            self.reference.share_inference_masters()
 
     async def run(self) -> None:
         torch.manual_seed(self.config.seed)

@@ -336,16 +336,25 @@ class CausalLM(nn.Module):
         if num_tokens < self.args.vocab_size:
             self.no_string = torch.arange(self.args.vocab_size, device=self.lm_head.weight.device) >= num_tokens
 
+    def inference_weights(self) -> list[InferenceWeights]:
+        """The GEMM weights a no-grad forward reads: fused q/k/v and gate/up, and the linears outside a fusion (a
+        fused linear's own copies are never read, and building them held 1.9 GB more at the 0.5B shape)."""
+        found = [v for module in self.modules() for v in vars(module).values() if isinstance(v, InferenceWeights)]
+        fused = {id(lin) for weights in found if len(weights.linears) > 1 for lin in weights.linears}
+        return [weights for weights in found if len(weights.linears) > 1 or id(weights.linears[0]) not in fused]
+
     def release_inference_weights(self) -> None:
         """Drop every inference GEMM weight's rounded and packed copies; the next no-grad forward rebuilds them."""
-        for module in self.modules():
-            for value in vars(module).values():
-                if isinstance(value, InferenceWeights):
-                    value.release()
+        for weights in self.inference_weights():
+            weights.release()
+
+    def share_inference_masters(self) -> None:
+        """Declare that this model never trains (a rollout worker's, the trainer's KL reference): its block linears'
+        masters become views of their rounded GEMM copies, so the weights are held once, not twice."""
+        for weights in self.inference_weights():
+            weights.share_masters()
 
     def refresh_inference_weights(self) -> None:
         """Re-round and repack every inference GEMM weight now (a compiled decode cannot notice a swap)."""
-        for module in self.modules():
-            for value in vars(module).values():
-                if isinstance(value, InferenceWeights):
-                    value.refresh()
+        for weights in self.inference_weights():
+            weights.refresh()

@@ -164,22 +164,41 @@ class InferenceWeights:
         self.bias: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.exact_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # integer-valued [N, K'], scales [N, KB]
+        self.masters_are_views = False  # set by `share_masters`
+
+    def share_masters(self) -> None:
+        """For a model that never trains: from the next refresh on, each linear's master weight is a view of the
+        rounded [K, N] copy, so the weights are held once, not twice. Rounding a rounded bf16 or fp32 weight changes
+        nothing, so every product stays the same; FP8 weights and the exact backend keep their own masters."""
+        self.masters_are_views = self.fmt != "fp8" and self.config.backend != "exact"
+        self.key = ()
+
+    def _key(self) -> tuple[int, ...]:
+        tensors = [t for lin in self.linears for t in (lin.weight, lin.bias) if t is not None]
+        return tuple(x for t in tensors for x in (t.data_ptr(), t._version))
 
     def release(self) -> None:
         """Drop the rounded and packed copies (the next forward rebuilds them): a trainer's no-grad pass uses a
-        version once, and at 0.5B the copies are 2.9 GB."""
+        version once, and at 0.5B the copies are 2.9 GB. A shared master's [K, N] copy is the master: it stays."""
         self.key = ()
-        self.weight_t = torch.empty(0)
+        if not self.masters_are_views:
+            self.weight_t = torch.empty(0)
         self.bias = self.packed = self.exact_weight = None
 
     def refresh(self) -> None:
-        tensors = [t for lin in self.linears for t in (lin.weight, lin.bias) if t is not None]
-        key = tuple(x for t in tensors for x in (t.data_ptr(), t._version))
+        key = self._key()
         if key == self.key:
             return
+        # a shared master must stay writable by a `load_state` outside inference mode
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([lin.rounded_weight() for lin in self.linears])
+            self.weight_t = weight.t().contiguous()
+            if self.masters_are_views:
+                widths = [lin.out_features for lin in self.linears]
+                for lin, rows in zip(self.linears, self.weight_t.split(widths, 1), strict=True):
+                    lin.weight.data = rows.t()  # the old master's storage goes with its last view
+                key = self._key()
         self.key = key
-        weight = torch.cat([lin.rounded_weight() for lin in self.linears])
-        self.weight_t = weight.t().contiguous()
         has_bias = self.linears[0].bias is not None
         self.bias = torch.cat([lin.bias.detach() for lin in self.linears]) if has_bias else None
         if self.config.backend == "exact":

@@ -11,8 +11,10 @@ import torch
 from jetroll.services.rollout import engine as engine_module
 from jetroll.services.rollout.engine import Engine, Request, sample_tokens
 from jetroll.shared.model.args import ModelArgs
+from jetroll.shared.model.checkpoint import load_state
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
+from jetroll.shared.model.precision import InferenceWeights, PrecisionLinear
 from jetroll.shared.seeds import derive_seed, uniforms
 
 VOCAB = 40
@@ -211,6 +213,48 @@ def test_swap_weights_recomputes_kv_and_tags_versions(recompute_tokens: int, mon
         assert request.versions == [0] * before + [1] * (12 - before)
         after = full_logits(new_model, request)[before:]
         assert after.argmax(-1).tolist() == request.output_ids[before:]
+
+
+def _storages(model: CausalLM) -> int:
+    """Bytes in the distinct storages of the model's parameters and rounded [K, N] copies (oneDNN's packed copies,
+    opaque, are the same either way)."""
+    tensors = [*model.parameters()]
+    for module in model.modules():
+        tensors += [v.weight_t for v in vars(module).values() if isinstance(v, InferenceWeights)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp8_unified"])
+def test_shared_masters_hold_linears_once_and_change_no_product(mode: str) -> None:
+    """A rollout model's masters become views of the rounded copies: the same tokens and log-probs before and after
+    a swap as a model that keeps its masters, and the bytes of one copy of the block linears fewer (FP8 keeps its)."""
+    precision = Precision(mode=mode, weight_block=32, act_group=32)
+    kept, shared, new_model = (tiny_model(seed, precision) for seed in (0, 0, 7))
+    shared.share_inference_masters()
+    engines = [Engine(m, EOS, max_batch=4, max_len=64, seed=3) for m in (kept, shared)]
+    linears = [m for m in kept.modules() if isinstance(m, PrecisionLinear)]
+    linear_bytes = sum(m.weight.nbytes for m in linears)
+    saved = _storages(kept) - _storages(shared)
+    assert saved == (0 if mode == "fp8_unified" else linear_bytes)
+
+    outputs = []
+    for engine in engines:
+        requests = [Request(f"s{i}", prompt(4 + i, 60 + i), 16, temperature=1.0, ignore_eos=True) for i in range(4)]
+        engine.add(requests)
+        for _ in range(6):
+            engine.step()
+        engine.swap_weights(new_model.state_dict(), version=1)
+        while engine.has_work:
+            engine.step()
+        outputs.append([(r.output_ids, r.logprobs, r.versions) for r in requests])
+    assert outputs[0] == outputs[1]
+    assert _storages(kept) - _storages(shared) == saved  # the swap left no second copy behind
+
+    load_state(shared, new_model.state_dict())  # outside inference mode, as a resume would
+    shared.refresh_inference_weights()
+    with torch.no_grad():
+        ids = torch.tensor([prompt(12, 5)])
+        assert torch.equal(shared(ids), new_model(ids))
 
 
 @pytest.mark.slow  # about 20 s of compilation
