@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from jetroll.services.bench.shape import CONFIG, _with_layers
+from jetroll.services.launch.entrypoints import prepare_process
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config, validate_config
@@ -84,6 +85,7 @@ def main(layers: int) -> None:
     config = load_config(CONFIG, [f"model.path={_with_layers(work / 'model', layers)}",
                                   f"model.cache_dir={work / 'cache'}"])
     path = ensure_base_model(config.model, progress=False)  # in a child's memory would be fairer; it is small
+    prepare_process("trainer", config)  # as `jetroll trainer` does
     rss = Rss()
     tree = config.model_dump(mode="json")
     tree["model"].update(path=str(path), init="pretrained")

@@ -17,7 +17,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.launch.entrypoints import service_main, set_threads
+from jetroll.services.launch.entrypoints import prepare_process, service_main
 from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError, WarmStartError
 from jetroll.shared.config.job import load_config, validate_config
 
@@ -373,7 +373,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.run_dir is None:
             parser.error("--config needs --run-dir")
         config = validate_config(json.loads(args.config.read_text()))
-        set_threads(args.command, config)
+        prepare_process(args.command, config)
         main = service_main(args.command, config, args.redis_url, args.consumer or args.command, args.run_dir,
                              getattr(args, "pool", None))
     try:

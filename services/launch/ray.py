@@ -54,11 +54,11 @@ class ServiceActor:
     and retries `run` on it, up to `launch.max_restarts` times."""
 
     def __init__(self, kind: str, tree: dict[str, Any], redis_url: str, run_dir: str) -> None:
-        from jetroll.services.launch.entrypoints import set_threads
+        from jetroll.services.launch.entrypoints import prepare_process
 
         self.kind, self.redis_url, self.run_dir = kind, redis_url, Path(run_dir)
         self.config = validate_config(tree)
-        set_threads(kind, self.config)
+        prepare_process(kind, self.config)
         _log_to_file(self.run_dir, kind)
         self.task: asyncio.Task | None = None
 
@@ -95,12 +95,12 @@ class RolloutReplica:
     async def __init__(self, tree: dict[str, Any], redis_url: str, run_dir: str, pool: str) -> None:
         from ray import serve
 
-        from jetroll.services.launch.entrypoints import set_threads
+        from jetroll.services.launch.entrypoints import prepare_process
         from jetroll.services.rollout.worker import RolloutWorker
         from jetroll.shared.store import setup_store
 
         config = validate_config(tree)
-        set_threads("rollout", config)
+        prepare_process("rollout", config)
         self.name = f"rollout-{pool}-{serve.get_replica_context().replica_id.unique_id}"
         _log_to_file(Path(run_dir), self.name)
         self.bus = RedisBus(redis_url, config.job_id, max_deliveries=config.redis.max_deliveries,
