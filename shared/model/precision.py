@@ -296,7 +296,7 @@ class PrecisionLinear(nn.Linear):
             q, scale_inv = self.quantized()
             return {"weight": q.contiguous(), "weight_scale_inv": scale_inv.contiguous()}
         weight = self.weight.detach()
-        return {"weight": weight.to(torch.bfloat16) if fmt == "bf16" else weight.contiguous()}
+        return {"weight": (weight.to(torch.bfloat16) if fmt == "bf16" else weight).contiguous()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_inference(self):

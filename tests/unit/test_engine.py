@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from jetroll.services.rollout import engine as engine_module
 from jetroll.services.rollout.engine import Engine, Request, sample_tokens
 from jetroll.shared.model.args import ModelArgs
-from jetroll.shared.model.checkpoint import load_state
+from jetroll.shared.model.checkpoint import WEIGHTS, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import InferenceWeights, PrecisionLinear
@@ -225,9 +227,10 @@ def _storages(model: CausalLM) -> int:
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "fp8_unified"])
-def test_shared_masters_hold_linears_once_and_change_no_product(mode: str) -> None:
+def test_shared_masters_hold_linears_once_and_change_no_product(mode: str, tmp_path: Path) -> None:
     """A rollout model's masters become views of the rounded copies: the same tokens and log-probs before and after
-    a swap as a model that keeps its masters, and the bytes of one copy of the block linears fewer (FP8 keeps its)."""
+    a swap as a model that keeps its masters, the same published bytes, and the bytes of one copy of the block
+    linears fewer (FP8 keeps its)."""
     precision = Precision(mode=mode, weight_block=32, act_group=32)
     kept, shared, new_model = (tiny_model(seed, precision) for seed in (0, 0, 7))
     shared.share_inference_masters()
@@ -249,6 +252,11 @@ def test_shared_masters_hold_linears_once_and_change_no_product(mode: str) -> No
         outputs.append([(r.output_ids, r.logprobs, r.versions) for r in requests])
     assert outputs[0] == outputs[1]
     assert _storages(kept) - _storages(shared) == saved  # the swap left no second copy behind
+    for model, name in ((kept, "kept"), (shared, "shared")):
+        save_pretrained(model, None, tmp_path / name, publish=precision)
+    published = [load_file(str(tmp_path / name / WEIGHTS)) for name in ("kept", "shared")]
+    assert published[0].keys() == published[1].keys()
+    assert all(torch.equal(published[0][k], published[1][k]) for k in published[0])
 
     load_state(shared, new_model.state_dict())  # outside inference mode, as a resume would
     shared.refresh_inference_weights()

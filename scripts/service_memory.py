@@ -1,8 +1,9 @@
-"""Where a trainer's memory goes, phase by phase: `python scripts/trainer_memory.py [LAYERS]` builds the 0.5B-shape
-model (configs/bench_qwen2.5_0.5b.yaml, LAYERS of its 24) with random weights, makes the job's real Trainer on it, and
-runs three steps of 2 groups x 4 samples, each followed by the commit's staging. It prints the process's RSS after
-each phase and its high-water mark during it (sampled every 20 ms). No Redis is needed: the step and the staging
-never touch the bus. Run from the repository root."""
+"""Where a service's memory goes, phase by phase: `python scripts/service_memory.py trainer|rollout [LAYERS]` builds
+the 0.5B-shape model (configs/bench_qwen2.5_0.5b.yaml, LAYERS of its 24) with random weights and prepares the process
+as its service does. `trainer`: the job's real Trainer runs three steps of 2 groups x 4 samples, each followed by the
+commit's staging. `rollout`: the rollout worker's engine decodes 8 samples, swaps to a version in the published
+layout (bf16 block linears) in the middle, and finishes them. It prints the process's RSS after each phase and its
+high-water mark during it (sampled every 20 ms). No Redis is needed. Run from the repository root."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import uuid
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from jetroll.services.bench.shape import CONFIG, _with_layers
 from jetroll.services.launch.entrypoints import prepare_process
+from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.services.trainer.warm_start import ensure_base_model
-from jetroll.shared.config.job import load_config, validate_config
+from jetroll.shared.config.job import JobConfig, load_config, validate_config
+from jetroll.shared.model.checkpoint import WEIGHTS, load_pretrained, save_pretrained
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup
@@ -80,13 +84,39 @@ def groups_of(events: list[ScoredEvent]) -> list[PendingGroup]:
     return groups
 
 
-def main(layers: int) -> None:
-    work = Path(tempfile.mkdtemp(prefix="jetroll-trainer-memory-"))
+def rollout(config: JobConfig, path: Path, rss: Rss) -> None:
+    model, tokenizer = load_pretrained(path, config.precision.numerics())
+    model.share_inference_masters()  # as the rollout worker does
+    rss.phase("rollout: model")
+    engine = Engine(model, tokenizer.eos_id, 8, 64, seed=0)
+    rss.phase("engine")
+    save_pretrained(model, None, path.parent / "v1", publish=config.precision.numerics())
+    published = load_file(str(path.parent / "v1" / WEIGHTS))  # as the worker reads a version from the store
+    rss.phase("next version read")
+    requests = [Request(f"r{i}", tokenizer.encode(f"{i}+1="), 24, temperature=1.0, ignore_eos=True) for i in range(8)]
+    engine.add(requests)
+    for _ in range(8):
+        engine.step()
+    rss.phase("decode")
+    engine.swap_weights(published, 1)
+    del published
+    rss.phase("swap")
+    while engine.has_work:
+        engine.step()
+    rss.phase("decode after the swap")
+
+
+def main(service: str, layers: int) -> None:
+    work = Path(tempfile.mkdtemp(prefix="jetroll-service-memory-"))
     config = load_config(CONFIG, [f"model.path={_with_layers(work / 'model', layers)}",
                                   f"model.cache_dir={work / 'cache'}"])
     path = ensure_base_model(config.model, progress=False)  # in a child's memory would be fairer; it is small
-    prepare_process("trainer", config)  # as `jetroll trainer` does
+    prepare_process(service, config)  # as `jetroll trainer` and `jetroll rollout` do
     rss = Rss()
+    if service == "rollout":
+        rollout(config, path, rss)
+        shutil.rmtree(work)
+        return
     tree = config.model_dump(mode="json")
     tree["model"].update(path=str(path), init="pretrained")
     tree["store"]["root"] = str(work / "store")
@@ -105,4 +135,6 @@ def main(layers: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 24)
+    if len(sys.argv) < 2 or sys.argv[1] not in ("trainer", "rollout"):
+        sys.exit("usage: python scripts/service_memory.py trainer|rollout [LAYERS]")
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 24)
