@@ -16,7 +16,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import WEIGHTS, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
-from jetroll.shared.model.precision import InferenceWeights, PrecisionLinear
+from jetroll.shared.model.precision import PrecisionLinear
 from jetroll.shared.seeds import derive_seed, uniforms
 
 VOCAB = 40
@@ -220,9 +220,7 @@ def test_swap_weights_recomputes_kv_and_tags_versions(recompute_tokens: int, mon
 def _storages(model: CausalLM) -> int:
     """Bytes in the distinct storages of the model's parameters and rounded [K, N] copies (oneDNN's packed copies,
     opaque, are the same either way)."""
-    tensors = [*model.parameters()]
-    for module in model.modules():
-        tensors += [v.weight_t for v in vars(module).values() if isinstance(v, InferenceWeights)]
+    tensors = [*model.parameters(), *(weights.weight_t for weights in model.inference_weights())]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
