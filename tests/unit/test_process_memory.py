@@ -38,3 +38,24 @@ def test_a_prepared_service_returns_freed_weight_sized_tensors() -> None:
                                     check=True).stdout) for how in ("prepared", "default")}
     assert kept["default"] > 200  # glibc's default keeps the freed heap: the test can see the difference
     assert kept["prepared"] < 40  # the one 8 MB tensor still held, and noise
+
+
+def test_a_dropped_model_frees_its_weights_without_the_cyclic_gc() -> None:
+    """The launcher builds a base and then idles for the whole job, so nothing would run the cyclic GC for it."""
+    import gc
+    import weakref
+
+    from jetroll.shared.model.args import ModelArgs
+    from jetroll.shared.model.model import CausalLM
+
+    model = CausalLM(ModelArgs(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                               intermediate_size=128, max_position_embeddings=64))
+    model.refresh_inference_weights()
+    linears = [weakref.ref(m) for m in model.modules() if hasattr(m, "inference")]
+    assert linears
+    gc.disable()
+    try:
+        del model
+        assert not [ref for ref in linears if ref() is not None]
+    finally:
+        gc.enable()
