@@ -19,10 +19,11 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
-from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.model.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import EnvStep
 
+REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = build_char_tokenizer()
 TURN_END = TOKENIZER.encode("\n")[0]
 TURN = TOKENIZER.encode("12") + [TURN_END]  # what every model turn says (ScriptedEngine)
@@ -91,12 +92,13 @@ def episode_requests(n: int, max_new_tokens: int = 40) -> list[Request]:
     return [Request(f"r{i}", TOKENIZER.encode(f"{i}*{i + 3}="), max_new_tokens, turn_end_id=TURN_END) for i in range(n)]
 
 
-def run(engine: Engine, requests: list[Request], envs: list[ScriptedEnv], timeout_s: float = 5.0) -> dict[str, float]:
+def run(engine: Engine, requests: list[Request], envs: list[ScriptedEnv], timeout_s: float = 5.0,
+        tokenizer: Tokenizer = TOKENIZER) -> dict[str, float]:
     """Run the episodes; returns each request's finish time."""
     finished_at: dict[str, float] = {}
 
     async def main() -> None:
-        runner = TurnRunner(engine, TOKENIZER, timeout_s)
+        runner = TurnRunner(engine, tokenizer, timeout_s)
         for request, env in zip(requests, envs, strict=True):
             runner.start(request, env, PROBLEM)
         while engine.has_work or runner.num_pending:  # run_episodes, stamping finish times
@@ -139,6 +141,42 @@ def test_observations_are_masked_tagged_and_continued_from_the_kv_cache() -> Non
         assert request.logprobs[3:7] == [0.0] * 4 and request.versions == [3] * 10
         assert_policy_logprobs_match(model, request)  # the appended observation is in the cache, at its positions
     assert not engine.paused and not engine.running and not engine.resuming
+
+
+def test_a_bpe_conversation_keeps_the_ids_it_sampled_and_is_never_retokenized() -> None:
+    """BPE is not a bijection: a turn sampled a character at a time decodes to text that encodes to other ids. The
+    episode keeps the ids the model sampled and appends each observation's own ids, so the log-probs recorded for
+    them are the ones the trainer recomputes on exactly these ids."""
+    tokenizer = load_tokenizer(REPO / "configs" / "models" / "bpe-math")  # byte-level BPE, as shipped with a job
+    turn_text = "the answer is 12"
+    turn = [i for char in turn_text for i in tokenizer.encode(char)] + tokenizer.encode("\n")
+    assert tokenizer.encode(turn_text) != turn[:-1]  # the canonical encoding is another, shorter sequence
+
+    class SpelledEngine(Engine):
+        def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
+            tokens = []
+            for request in batch:
+                start, length = request.observations[-1] if request.observations else (0, 0)
+                tokens.append(turn[min(len(request.output_ids) - start - length, len(turn) - 1)])
+            return torch.tensor(tokens)
+
+    torch.manual_seed(0)
+    model = CausalLM(ModelArgs(vocab_size=tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
+                               num_kv_heads=2, intermediate_size=128, max_position_embeddings=256,
+                               eos_token_id=tokenizer.eos_id)).eval()
+    engine = SpelledEngine(model, tokenizer.eos_id, max_batch=1, max_len=256)
+    prompt = tokenizer.encode("Sam has 5 apples and buys 7 more. How many now?")
+    request = Request("r0", prompt, 200, turn_end_id=turn[-1])
+    env = ScriptedEnv(observation="= {k}, said the calculator\n")
+    run(engine, [request], [env], tokenizer=tokenizer)
+
+    observation = tokenizer.encode("= 1, said the calculator\n")
+    assert env.turns == [turn_text, turn_text]  # the environment reads the turn's text
+    assert request.output_ids == turn + observation + turn  # the model's ids and the observation's, as they were
+    assert request.loss_mask == [1] * len(turn) + [0] * len(observation) + [1] * len(turn)
+    conversation = request.prompt_ids + request.output_ids
+    assert tokenizer.encode(tokenizer.decode(conversation)) != conversation  # re-tokenizing would train other tokens
+    assert_policy_logprobs_match(model, request)
 
 
 def test_exact_backend_logprobs_after_an_observation_are_bitwise_the_trainers(tmp_path: Path) -> None:
