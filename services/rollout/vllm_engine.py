@@ -76,6 +76,13 @@ class VllmEngine:
         if runs_on != torch.device(device).type:  # vLLM's build decides where it runs, not the config
             raise JobFailedError(f"rollout.device is {device}, but the installed vLLM runs on {runs_on}: install "
                                  f"the build for {torch.device(device).type} or set rollout.device {runs_on}")
+        if runs_on == "cpu":  # its CPU attention has kernels for these head dims only; others fail at the first step
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            if args.head_dim not in (head_dims := CPUAttentionBackend.get_supported_head_sizes()):
+                raise JobFailedError(f"vLLM's CPU attention runs head dims {head_dims}; this model's is "
+                                     f"{args.head_dim} ({args.num_heads} heads over hidden {args.hidden_size}): run "
+                                     "rollout.engine jetroll, or a model with fewer, wider heads")
         self.sampling_params, self.output_kind = vllm.SamplingParams, vllm.sampling_params.RequestOutputKind.DELTA
         self.tokens_prompt = vllm.TokensPrompt
         self.max_batch = max_batch

@@ -99,8 +99,8 @@ def test_fp8_on_vllm_runs_or_refuses_in_one_line(tmp_path: Path) -> None:
     precision = Precision(mode="fp8_unified")
     torch.manual_seed(0)
     save_pretrained(CausalLM(args, precision), tokenizer, tmp_path, publish=precision)
-    run = subprocess.run([sys.executable, str(DRIVER), "fp8", str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, str(DRIVER), "start", str(tmp_path), "fp8_unified"], capture_output=True,
+                         text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     if not torch.cpu._is_amx_tile_supported():
@@ -108,3 +108,20 @@ def test_fp8_on_vllm_runs_or_refuses_in_one_line(tmp_path: Path) -> None:
         assert "AMX" in result["refused"] and "\n" not in result["refused"], result
     else:
         assert len(result["output_ids"]) == 8 and all(lp <= 0 for lp in result["logprobs"]), result
+
+
+
+def test_a_head_dim_vllms_cpu_attention_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The default job's shape, 8 heads of 16 dims: vLLM's CPU build starts on it, then fails at its first step
+    ("Unsupported CPU attention configuration: head_dim=16"), so the engine refuses it before starting, in one line."""
+    tokenizer = build_char_tokenizer()
+    args = ModelArgs(vocab_size=tokenizer.vocab_size, hidden_size=128, num_layers=1, num_heads=8, num_kv_heads=4,
+                     intermediate_size=256, max_position_embeddings=64, eos_token_id=tokenizer.eos_id)
+    torch.manual_seed(0)
+    save_pretrained(CausalLM(args), tokenizer, tmp_path)
+    run = subprocess.run([sys.executable, str(DRIVER), "start", str(tmp_path), "fp32"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    refused = json.loads(run.stdout.splitlines()[-1])["refused"]
+    assert "CPU attention runs head dims [32, " in refused and "this model's is 16" in refused, refused
+    assert "\n" not in refused

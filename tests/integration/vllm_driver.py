@@ -53,19 +53,19 @@ def main(first: Path, second: Path, prompt_chars: str) -> dict[str, list[dict[st
                     "finish_reason": r.finish_reason} for r in requests] for name, requests in out.items()}
 
 
-def fp8(directory: Path) -> dict[str, object]:
-    """Start the engine on a published block-FP8 version and sample; or say, in its one line, why it cannot."""
+def start(directory: Path, mode: str) -> dict[str, object]:
+    """Start the engine on a published version in `mode` and sample; or say, in its one line, why it cannot."""
     args, _ = read_args(directory)
     try:
-        engine = VllmEngine(directory, args, load_tokenizer(directory).vocab_size, "fp8_unified", 4, 64)
+        engine = VllmEngine(directory, args, load_tokenizer(directory).vocab_size, mode, 4, 64)
     except JobFailedError as exc:
         return {"refused": str(exc)}
-    request = engine.generate([Request("fp8", [5, 6, 7, 8], 8, ignore_eos=True)])[0]
+    request = engine.generate([Request("start", [5, 6, 7, 8], 8, ignore_eos=True)])[0]
     return {"output_ids": request.output_ids, "logprobs": request.logprobs}
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "fp8":
-        print(json.dumps(fp8(Path(sys.argv[2]))))
+    if sys.argv[1] == "start":
+        print(json.dumps(start(Path(sys.argv[2]), sys.argv[3])))
     else:
         print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])))
