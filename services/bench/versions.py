@@ -21,7 +21,7 @@ def library_versions() -> dict[str, Any]:
     """Installed versions (None: not installed), the Python, the machine, the redis-server and the kernel env."""
     versions: dict[str, Any] = {}
     for name in LIBRARIES:
-        versions[name] = next(filter(None, map(_distribution_version, DISTRIBUTIONS.get(name, (name,)))), None)
+        versions[name] = next(filter(None, map(distribution_version, DISTRIBUTIONS.get(name, (name,)))), None)
     versions["python"] = platform.python_version()
     versions["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
     versions["cpu"] = cpu_model()
@@ -33,7 +33,8 @@ def library_versions() -> dict[str, Any]:
     return versions
 
 
-def _distribution_version(name: str) -> str | None:
+def distribution_version(name: str) -> str | None:
+    """The installed version of distribution `name`, or None."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:

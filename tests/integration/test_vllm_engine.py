@@ -110,7 +110,6 @@ def test_fp8_on_vllm_runs_or_refuses_in_one_line(tmp_path: Path) -> None:
         assert len(result["output_ids"]) == 8 and all(lp <= 0 for lp in result["logprobs"]), result
 
 
-
 def test_a_head_dim_vllms_cpu_attention_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:
     """The default job's shape, 8 heads of 16 dims: vLLM's CPU build starts on it, then fails at its first step
     ("Unsupported CPU attention configuration: head_dim=16"), so the engine refuses it before starting, in one line."""

@@ -49,14 +49,16 @@ def tiny_model(seed: int = 0) -> CausalLM:
 
 
 class ScriptedEngine(Engine):
-    """Every model turn is `12` and the turn end, whatever the model prefers; the recorded log-probs stay the
-    model's, so they check the KV cache as sampled tokens would."""
+    """Every model turn is `turn` (`12` and the turn end), whatever the model prefers; the recorded log-probs stay
+    the model's, so they check the KV cache as sampled tokens would."""
+
+    turn = TURN
 
     def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
         tokens = []
         for request in batch:
             start, length = request.observations[-1] if request.observations else (0, 0)
-            tokens.append(TURN[min(len(request.output_ids) - start - length, len(TURN) - 1)])
+            tokens.append(self.turn[min(len(request.output_ids) - start - length, len(self.turn) - 1)])
         return torch.tensor(tokens)
 
 
@@ -152,19 +154,12 @@ def test_a_bpe_conversation_keeps_the_ids_it_sampled_and_is_never_retokenized() 
     turn = [i for char in turn_text for i in tokenizer.encode(char)] + tokenizer.encode("\n")
     assert tokenizer.encode(turn_text) != turn[:-1]  # the canonical encoding is another, shorter sequence
 
-    class SpelledEngine(Engine):
-        def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
-            tokens = []
-            for request in batch:
-                start, length = request.observations[-1] if request.observations else (0, 0)
-                tokens.append(turn[min(len(request.output_ids) - start - length, len(turn) - 1)])
-            return torch.tensor(tokens)
-
     torch.manual_seed(0)
     model = CausalLM(ModelArgs(vocab_size=tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
                                num_kv_heads=2, intermediate_size=128, max_position_embeddings=256,
                                eos_token_id=tokenizer.eos_id)).eval()
-    engine = SpelledEngine(model, tokenizer.eos_id, max_batch=1, max_len=256)
+    engine = ScriptedEngine(model, tokenizer.eos_id, max_batch=1, max_len=256)
+    engine.turn = turn  # spelled a character at a time
     prompt = tokenizer.encode("Sam has 5 apples and buys 7 more. How many now?")
     request = Request("r0", prompt, 200, turn_end_id=turn[-1])
     env = ScriptedEnv(observation="= {k}, said the calculator\n")
