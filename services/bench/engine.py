@@ -228,7 +228,8 @@ def run_engine_bench(
             "hf": "Qwen2ForCausalLM.generate(do_sample=True, top_k=0, top_p=1, temperature=1, "
                   "min_new_tokens=max_new_tokens) under inference_mode; sdpa attention, DynamicCache",
             "jetroll": "Engine.generate, temperature=1, top_p=1, ignore_eos; "
-                       + ("decode under torch.compile (compile_s: once per engine, not in runs_s)" if compile
+                       + ("decode under torch.compile, attention through the CPU decode-attention kernel "
+                          "(compile_s: once per engine, not in runs_s)" if compile
                           else "eager decode (warm-up = first run)"),
             "vllm": (f"vllm {vllm_version} LLMEngine in this process (VllmEngine), fp32, {threads} torch "
                      f"threads, cores not bound, {'torch.compile' if compile else 'eager'}; one engine for every "

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from jetroll.shared.model import exact
+from jetroll.shared.model import decode_attention, exact
 from jetroll.shared.model.checkpoint import load_state
 from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.precision import PACKED_MIN_ROWS
@@ -101,7 +101,8 @@ class TurnEngine(RolloutEngine, Protocol):
 
 class Engine:
     """`compile=True` runs decode through torch.compile (C++ wrapper): a few graphs compiled up front,
-    their wall time in `compile_s`, for a step that costs a fraction of eager's Python overhead.
+    their wall time in `compile_s`, for a step that costs a fraction of eager's Python overhead; on the CPU its
+    attention is `decode_attention`'s kernel.
 
     On the `exact` precision backend decode stays eager and every op takes the batch-invariant reference path, so
     each recorded log-prob is bitwise the trainer's no-grad log-prob at the same version.
@@ -118,7 +119,9 @@ class Engine:
         self.max_batch = max_batch
         self.max_len = min(max_len, model.args.max_position_embeddings)
         self.device = model.lm_head.weight.device  # the KV cache and every tensor a step makes live beside the model
-        self.cache = KVCache(model.args, max_batch, self.max_len, self.device)
+        self.is_exact = model.precision.backend == "exact"
+        compiled = compile and not self.is_exact
+        self.cache = KVCache(model.args, max_batch, self.max_len, self.device, attention_kernel=compiled)
         self.seed = seed
         self.version = 0
         self.waiting: deque[Request] = deque()
@@ -128,8 +131,9 @@ class Engine:
         self.model.refresh_inference_weights()
         self.decode_fn = model.decode
         self.compile_s = 0.0
-        self.is_exact = model.precision.backend == "exact"
-        if compile and not self.is_exact:
+        if compiled:
+            if self.device.type == "cpu":
+                decode_attention.kernel()  # built (once per machine) before the compile clock starts
             # graphs are per model and cache shape; a process with a few engines (the bench) needs more than 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.decode_fn = torch.compile(model.decode, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
@@ -328,8 +332,9 @@ class Engine:
                 turned.append(request)
             if request.finish_reason:
                 done.append(request)
-        for request in done:
-            self._release(self.running.index(request, first_slot))
+        # highest slot first: a finished sequence in the last slot is popped, not copied over a freed one
+        for slot in sorted((self.running.index(request, first_slot) for request in done), reverse=True):
+            self._release(slot)
         for request in turned:
             self._pause(self.running.index(request, first_slot))
         return done + turned

@@ -83,7 +83,8 @@ class RolloutConfig(Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; mu stays the untruncated log-prob")
     recompute_kv_on_swap: bool = Field(
         True, description="recompute in-flight KV caches after a weight swap; off keeps them (mixed-version keys)")
-    compile: bool = Field(True, description="torch.compile the decode step (tens of seconds once per worker)")
+    compile: bool = Field(True, description="torch.compile the decode step (tens of seconds once per worker); on "
+                         "the CPU its attention is a C++ kernel built once per machine (about 30 s, needs g++)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where each worker's model, KV cache "
                         "and sampling run: cpu, or cuda[:N] (a CUDA build of torch)")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetroll.shared.model import exact
+from jetroll.shared.model import decode_attention, exact
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import (
@@ -27,13 +27,18 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D
 
 
 class KVCache:
-    """Preallocated per-slot caches: k[layer] and v[layer] are [num_slots, kv_heads, max_len, head_dim]."""
+    """Preallocated per-slot caches: k[layer] and v[layer] are [num_slots, kv_heads, max_len, head_dim].
 
-    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, device: torch.device | str = "cpu") -> None:
+    `attention_kernel`: decode reads the cache through `decode_attention`'s CPU kernel where it supports the shape
+    (a compiled engine sets it), else through two batched matmuls."""
+
+    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, device: torch.device | str = "cpu",
+                 attention_kernel: bool = False) -> None:
         shape = (num_slots, args.num_kv_heads, max_len, args.head_dim)
         self.k = [torch.zeros(shape, device=device) for _ in range(args.num_layers)]
         self.v = [torch.zeros(shape, device=device) for _ in range(args.num_layers)]
         self.max_len = max_len
+        self.attention_kernel = attention_kernel
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for k, v in zip(self.k, self.v, strict=True):
@@ -109,6 +114,11 @@ class Attention(nn.Module):
             k, v, blocked = cache.update(k, v)
             # GQA without repeat: the G query heads sharing a kv head become G query rows of that head
             q = q.reshape(bsz, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            if cache.attention_kernel and decode_attention.supports(q, k):
+                assert cache.positions is not None
+                out = decode_attention.decode_attention(q, cache.k_cache, cache.v_cache, cache.positions + 1,
+                                                        self.scale)
+                return self.o_proj(out.reshape(bsz, 1, -1))
             # two batched matmuls beat CPU SDPA's flash kernel about 1.7x for a single query row
             scores = torch.matmul(q * self.scale, k.transpose(-1, -2))  # [B, KV, G, L]
             if blocked is not None:
@@ -188,7 +198,7 @@ class LayerView:
     from start 0). start > 0 appends to a sequence already in the slot, e.g. an environment's observation.
 
     `rows`, `positions`, `length` and `blocked` are shared by every layer of one forward; `blocked`
-    [n, 1, 1, L] marks cache positions past a sequence's own.
+    [n, 1, 1, L] marks cache positions past a sequence's own. `attention_kernel` is the KVCache's.
     """
 
     def __init__(
@@ -201,8 +211,10 @@ class LayerView:
         length: int = 0,
         blocked: torch.Tensor | None = None,
         start: int = 0,
+        attention_kernel: bool = False,
     ) -> None:
         self.k_cache, self.v_cache, self.slot, self.start = k_cache, v_cache, slot, start
+        self.attention_kernel = attention_kernel
         self.rows, self.positions, self.length, self.blocked = rows, positions, length, blocked
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -309,7 +321,8 @@ class CausalLM(nn.Module):
                        length: int) -> torch.Tensor:
         blocked = (torch.arange(length, device=positions.device)[None, :] > positions[:, None])[:, None, None, :]
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        views = [LayerView(k, v, None, rows, positions, length, blocked) for k, v in zip(cache.k, cache.v, strict=True)]
+        views = [LayerView(k, v, None, rows, positions, length, blocked, attention_kernel=cache.attention_kernel)
+                 for k, v in zip(cache.k, cache.v, strict=True)]
         return self._layers(input_ids, self._rope(positions[:, None]), views)
 
     def _layers(self, input_ids: torch.Tensor, rope: Rope, views: list[LayerView | None],
