@@ -42,7 +42,8 @@ def kernel() -> Any:
     try:
         module = load(name, [str(SOURCE)], extra_cflags=flags)
     except (OSError, RuntimeError) as exc:
-        raise RuntimeError(f"the CPU decode-attention kernel did not build ({exc}); compiled decode needs a C++ "
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__  # the compiler's output is above
+        raise RuntimeError(f"the CPU decode-attention kernel did not build ({reason}); compiled decode needs a C++ "
                            "compiler (g++), or set rollout.compile=false") from exc
     log.info("decode-attention kernel %s ready in %.1f s", name, time.perf_counter() - start)
     return module

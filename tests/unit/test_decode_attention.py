@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from jetroll.shared.model.decode_attention import decode_attention, supports
+from jetroll.shared.model.decode_attention import decode_attention, kernel, supports
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
@@ -51,3 +53,17 @@ def test_the_kernel_refuses_what_it_cannot_run() -> None:
     assert supports(q, cache)
     assert not supports(q.bfloat16(), cache)  # the caller keeps the matmuls for these
     assert not supports(torch.zeros(2, 1, 2, 12), torch.zeros(2, 1, 8, 12))
+
+
+def test_a_kernel_that_cannot_build_stops_with_one_line_naming_the_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-g++"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    kernel.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"did not build \(.*\); .*or set rollout.compile=false$") as caught:
+            kernel()
+        assert "\n" not in str(caught.value)
+    finally:
+        kernel.cache_clear()  # the next caller loads the real build again
