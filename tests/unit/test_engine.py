@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from jetroll.services.rollout import engine as engine_module
 from jetroll.services.rollout.engine import Engine, Request, sample_tokens
+from jetroll.shared.model import decode_attention
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import WEIGHTS, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
@@ -264,19 +265,30 @@ def test_shared_masters_hold_linears_once_and_change_no_product(mode: str, tmp_p
 
 
 @pytest.mark.slow  # about 20 s of compilation
-def test_compiled_decode_matches_eager_across_batch_sizes_and_joins() -> None:
-    """torch.compile'd decode (graphs for 1, 2..7 and >= 8 rows) gives eager's tokens and log-probs."""
+def test_compiled_decode_matches_eager_across_batch_sizes_and_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile'd decode (graphs for 1, 2..7 and >= 8 rows; attention through the CPU kernel) gives eager's
+    tokens and log-probs (attention through matmuls)."""
+    kernel, kernel_calls = decode_attention.kernel, []
+
+    def counted_kernel() -> object:
+        kernel_calls.append(1)
+        return kernel()
+
+    monkeypatch.setattr(decode_attention, "kernel", counted_kernel)
     model = tiny_model()
     compiled = Engine(model, EOS, max_batch=10, max_len=64, compile=True)
     assert compiled.compile_s > 0
     eager = Engine(model, EOS, max_batch=10, max_len=64)
-    runs = []
+    runs, calls_per_engine = [], []
     for engine in (compiled, eager):
+        kernel_calls.clear()
         # 12 requests over 10 slots with ragged lengths: batches shrink through 8 and 1, joiners arrive mid-run
         requests = [Request(f"r{i}", prompt(3 + i % 5, i), 4 + 2 * i, temperature=0.0, ignore_eos=True)
                     for i in range(12)]
         engine.generate(requests)
         runs.append(requests)
+        calls_per_engine.append(len(kernel_calls))
+    assert calls_per_engine[0] > 0 and calls_per_engine[1] == 0  # only the compiled decode runs the kernel
     for got, want in zip(*runs, strict=True):
         assert got.output_ids == want.output_ids
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
