@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     learning = bench_sub.add_parser("learning", help="the default job per job seed x kernel variant, each from a "
                                     "cold model cache: base, final and lowest accuracy, wall time (resumable)")
     learning.add_argument("--json", action="store_true", help="print one JSON object")
-    learning.add_argument("--seeds", type=int, default=3, help="job seeds (and warm-start seeds) per kernel")
+    learning.add_argument("--seeds", default="3", help="job seeds (and warm-start seeds) per kernel: a count N "
+                          "(seeds 0 .. N-1) or a comma-separated list (3,4; one seed: 3,)")
     learning.add_argument("--kernels", default="avx2,native",
                           help="kernel variants, comma-separated, in run order: avx2, native")
     learning.add_argument("--run-dir", type=Path, help="finished cells here are kept and not run again (default "

@@ -36,15 +36,30 @@ KERNELS: dict[str, dict[str, str]] = {
 MIN_FINAL, MIN_RISE, MAX_DIP, MAX_WALL_S = 0.80, 0.25, 0.02, 20 * 60
 
 
-def cells(num_seeds: int, kernels: list[str]) -> list[dict[str, Any]]:
-    """Job seed x kernel; kernel k shifts the warm-start seeds by k, so each kernel builds other bases too. The
-    default runs the AVX2 cells first: the stand-in for another machine, and the slowest bases to build."""
-    return [{"kernel": kernel, "seed": seed, "warm_start_seed": (seed + k) % num_seeds}
-            for k, kernel in enumerate(kernels) for seed in range(num_seeds)]
+def cells(seeds: list[int], kernels: list[str]) -> list[dict[str, Any]]:
+    """Job seed x kernel; kernel k pairs each seed with the warm-start seed k places on in `seeds`, so each kernel
+    builds other bases too. The default runs the AVX2 cells first: the stand-in for another machine, and the slowest
+    bases to build."""
+    return [{"kernel": kernel, "seed": seed, "warm_start_seed": seeds[(i + k) % len(seeds)]}
+            for k, kernel in enumerate(kernels) for i, seed in enumerate(seeds)]
 
 
-def run_learning_bench(num_seeds: int = 3, kernels: str = "avx2,native", run_dir: Path | None = None,
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds`: a count N (seeds 0 .. N-1) or a comma-separated list of distinct seeds (one seed: "S,")."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"bench learning --seeds: {text!r} is neither a count nor a comma-separated list of "
+                          "integers") from None
+    seeds = values if "," in text else list(range(values[0] if values else 0))
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"bench learning --seeds: {text!r} names no seed, a negative one or one twice")
+    return seeds
+
+
+def run_learning_bench(seeds: str = "3", kernels: str = "avx2,native", run_dir: Path | None = None,
                        overrides: list[str] = (), max_steps: int | None = None) -> dict[str, Any]:
+    seed_list = parse_seeds(seeds)
     names = [k.strip() for k in kernels.split(",") if k.strip()]
     for name in names:
         if name not in KERNELS:
@@ -54,12 +69,12 @@ def run_learning_bench(num_seeds: int = 3, kernels: str = "avx2,native", run_dir
     load_config(CONFIG, extra)  # a bad override fails here, before any cell runs
     _claim(run_dir, extra)
     rows = []
-    for cell in cells(num_seeds, names):
+    for cell in cells(seed_list, names):
         out = run_dir / f"{cell['kernel']}-s{cell['seed']}-w{cell['warm_start_seed']}"
         if not (out / "row.json").exists():
             run_cell(cell, out, extra)
         rows.append(json.loads((out / "row.json").read_text()))
-    result = {"config": {"config": str(CONFIG), "overrides": extra, "num_seeds": num_seeds, "kernels": names,
+    result = {"config": {"config": str(CONFIG), "overrides": extra, "seeds": seed_list, "kernels": names,
                          "run_dir": str(run_dir)},
               "versions": library_versions(), "rows": rows, "summary": summary(rows)}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
@@ -123,7 +138,7 @@ def read_cell(cell: dict[str, Any], out: Path, wall_s: float) -> dict[str, Any]:
            "dip": max(0.0, base - lowest), "evals": [[e["version"], a] for e, a in zip(evals, accuracies, strict=True)],
            "warm_start_steps": warm["steps"], "warm_start_probe": warm["probe_history"][-1][1]
            if warm["probe_history"] else None, "base_build_s": warm["wall_s"], "rl_s": summary["wall_time_s"],
-           "wall_s": round(wall_s, 1), "steps": summary["steps"]}
+           "wall_s": round(wall_s, 1), "steps": summary["steps"], "eval_problems": summary["num_eval_problems"]}
     row["passes"] = (final >= MIN_FINAL and row["rise"] >= MIN_RISE and row["dip"] <= MAX_DIP
                      and wall_s <= MAX_WALL_S)
     return row
@@ -146,7 +161,9 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="learning: the default job per cell (held-out greedy accuracy, 400 problems)")
+    problems = sorted({n for r in result["rows"] for n in r.get("eval_problems", {}).values()})
+    table = Table(title="learning: the default job per cell (held-out greedy accuracy, "
+                        f"{'/'.join(map(str, problems)) or '?'} problems)")
     for column in ("kernel", "seed", "warm-start seed", "base", "final", "rise", "lowest", "warm-start steps",
                    "base build s", "wall min", "pass"):
         table.add_column(column, justify="right")

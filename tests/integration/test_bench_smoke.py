@@ -160,7 +160,7 @@ def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
     assert [(r["kernel"], r["seed"], r["warm_start_seed"]) for r in rows] == [("avx2", 0, 0), ("native", 0, 0)]
     assert rows[0]["cpu_capability"] == "AVX2" and rows[1]["cpu_capability"] != ""
     for row in rows:
-        assert row["steps"] == 2 and row["warm_start_steps"] == 4
+        assert row["steps"] == 2 and row["warm_start_steps"] == 4 and row["eval_problems"] == {"arithmetic": 20}
         assert [step for step, _ in row["evals"]] == [0, 1, 2]
         assert row["lowest"] == min(a for _, a in row["evals"]) and row["rise"] == row["final"] - row["base"]
         assert row["wall_s"] > row["base_build_s"] > 0
