@@ -1,5 +1,5 @@
-"""The `jetroll` command: one subcommand per service, plus run, submit, status, init-model and bench. Heavy imports
-are late."""
+"""The `jetroll` command: one subcommand per service, plus run, submit, status, init-model, eval and bench. Heavy
+imports are late."""
 
 from __future__ import annotations
 
@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init-model", help="build (or find in the cache) the tiny warm-started base model")
     _config_args(init)
     init.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+    score = sub.add_parser("eval", help="score a finished job's published weights again on its tasks' held-out "
+                           "problems, as its controller did (more problems: a finer figure)")
+    score.add_argument("run_dir", type=Path, help="the job's run dir (`jetroll run --run-dir`)")
+    score.add_argument("--versions", help="comma-separated weight versions (default: those the job scored that its "
+                       "store still holds)")
+    score.add_argument("--num-problems", type=int, help="held-out problems per task (default: the job's "
+                       "eval.num_problems)")
+    score.add_argument("--json", action="store_true", help="print one JSON object")
 
     redis_url = os.environ.get("JETROLL_REDIS_URL")
     submit = sub.add_parser("submit", help="validate a job config and queue it for `jetroll controller --watch` "
@@ -230,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return _bench(args)
+        if args.command == "eval":
+            return _eval(args)
         if args.command == "submit":
             return _submit(parser, args)
         if args.command == "status":
@@ -284,6 +295,23 @@ def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     print(f"jetroll: job {config.job_id} {where}", file=sys.stderr)
     print(config.job_id)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from jetroll.services.rollout.evaluate import score_run
+
+    try:
+        versions = None if args.versions is None else [int(v) for v in args.versions.split(",")]
+    except ValueError:
+        raise ConfigError(f"--versions: {args.versions!r} is not a comma-separated list of integers") from None
+    rows = asyncio.run(score_run(args.run_dir, versions, args.num_problems))
+    if args.json:
+        print(json.dumps({"run_dir": str(args.run_dir), "rows": rows}))
+        return 0
+    for row in rows:
+        scores = ", ".join(f"{name} {row[name]:.2%} of {n}" for name, n in row["num_problems"].items())
+        print(f"v{row['version']}: {scores}")
     return 0
 
 

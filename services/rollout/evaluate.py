@@ -5,13 +5,23 @@ A multi-turn task's episodes run their environment turns too, so its held-out su
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from jetroll.functions.runner import get_reward
 from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.turns import TurnRunner, run_episodes
+from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.job import validate_config
 from jetroll.shared.model.chat import PromptFormat
+from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import Tokenizer
+from jetroll.shared.store import setup_store
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import get_task
@@ -74,3 +84,43 @@ def evaluate(
     """Held-out greedy accuracy per task: the fraction of `task.heldout(num_problems)` whose reward says correct."""
     return {name: accuracy_on(model, tokenizer, get_task(name), get_task(name).heldout(num_problems), max_batch,
                               prompts) for name in task_names}
+
+
+async def score_run(run_dir: Path, versions: Sequence[int] | None = None,
+                    num_problems: int | None = None) -> list[dict[str, Any]]:
+    """`jetroll eval`: score a job's published weight versions again, as its controller scored them (its config's
+    tasks, prompt format and precision; the store its config names), on `num_problems` held-out problems per task
+    (default: the job's eval.num_problems). Default versions: those the job scored (eval.jsonl) that its store still
+    holds, else the newest. One row per version: its accuracy per task and how many problems each task had."""
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{run_dir} holds no config.json: not a jetroll run dir (`jetroll run --run-dir`)")
+    config = validate_config(json.loads(config_path.read_text()))
+    num_problems = config.eval.num_problems if num_problems is None else num_problems
+    if num_problems < 1:
+        raise ConfigError(f"--num-problems must be at least 1, not {num_problems}")
+    store = setup_store(config.store, config.job_id, run_dir)
+    held = await store.versions()
+    if not held:
+        raise ConfigError(f"{run_dir}: the job's store holds no published weights")
+    if versions is None:
+        scored = run_dir / "eval.jsonl"
+        lines = scored.read_text().splitlines() if scored.is_file() else []
+        evaluated = [json.loads(line)["version"] for line in lines]
+        versions = [v for v in evaluated if v in held] or held[-1:]
+    missing = sorted(set(versions) - set(held))
+    if missing:
+        raise ConfigError(f"{run_dir}: the job's store no longer holds version(s) {missing}; it holds {held}")
+    task_names = [t.name for t in config.tasks]
+    rows = []
+    for version in versions:
+        started = time.perf_counter()
+        model, tokenizer = load_pretrained(await store.fetch(version), config.precision.numerics())
+        problems = {name: get_task(name).heldout(num_problems) for name in task_names}
+        prompts = PromptFormat.of(config.model, tokenizer)
+        accuracy = {name: accuracy_on(model, tokenizer, get_task(name), problems[name], prompts=prompts)
+                    for name in task_names}
+        rows.append({"version": version, **accuracy, "num_problems": {n: len(p) for n, p in problems.items()}})
+        print(f"jetroll eval: v{version}: {accuracy} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
+              flush=True)
+    return rows

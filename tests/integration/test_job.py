@@ -357,6 +357,29 @@ def test_smoke_fp8_unified(start_job: Callable[..., Job]) -> None:
         e["arithmetic"]) for e in evals}
     assert [h["eval/accuracy/arithmetic"] for h in history if "eval/accuracy/arithmetic" in h] == \
         pytest.approx([e["arithmetic"] for e in evals])
+    check_rescore(job, evals)
+
+
+def check_rescore(job: Job, evals: list[dict]) -> None:
+    """`jetroll eval` scores the job's weights again as its controller did (same problems, prompts and FP8
+    numerics: the same figures), on as many problems as asked, and refuses a version the store let go."""
+    weights = job.run_dir / "store" / job.job_id / "weights"
+    held = sorted(int(p.name[1:]) for p in weights.glob("v*") if (p / "manifest.json").is_file())
+    again = subprocess.run([*JETROLL, "eval", str(job.run_dir), "--json"], capture_output=True, text=True,
+                           timeout=300, check=True)
+    rows = json.loads(again.stdout)["rows"]
+    assert [r["version"] for r in rows] == [e["version"] for e in evals if e["version"] in held] != []
+    scored = {e["version"]: e["arithmetic"] for e in evals}
+    for row in rows:
+        assert row["arithmetic"] == scored[row["version"]] and row["num_problems"] == {"arithmetic": 20}, row
+    wider = subprocess.run([*JETROLL, "eval", str(job.run_dir), "--json", "--versions", str(held[-1]),
+                            "--num-problems", "60"], capture_output=True, text=True, timeout=300, check=True)
+    (row,) = json.loads(wider.stdout)["rows"]
+    assert row["version"] == held[-1] and row["num_problems"] == {"arithmetic": 60} and 0 <= row["arithmetic"] <= 1
+    gone = min(set(range(held[-1])) - set(held))
+    refused = subprocess.run([*JETROLL, "eval", str(job.run_dir), "--versions", str(gone)], capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2 and f"no longer holds version(s) [{gone}]" in refused.stderr, refused.stderr
 
 
 def test_smoke_fp8_unified_exact_has_zero_mismatch(start_job: Callable[..., Job]) -> None:
