@@ -8,6 +8,7 @@ import asyncio
 import getpass
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -310,7 +311,9 @@ def _eval(args: argparse.Namespace) -> int:
         print(json.dumps({"run_dir": str(args.run_dir), "rows": rows}))
         return 0
     for row in rows:
-        scores = ", ".join(f"{name} {row[name]:.2%} of {n}" for name, n in row["num_problems"].items())
+        # the standard error of a fraction of n independent problems: how finely n problems resolve the accuracy
+        scores = ", ".join(f"{name} {row[name]:.2%} +- {math.sqrt(row[name] * (1 - row[name]) / max(n, 1)):.2%} of {n}"
+                           for name, n in row["num_problems"].items())
         print(f"v{row['version']}: {scores}")
     return 0
 
