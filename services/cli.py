@@ -299,13 +299,17 @@ def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+
+
 def _eval(args: argparse.Namespace) -> int:
     from jetroll.services.rollout.evaluate import score_run
 
-    try:
-        versions = None if args.versions is None else [int(v) for v in args.versions.split(",")]
-    except ValueError:
-        raise ConfigError(f"--versions: {args.versions!r} is not a comma-separated list of integers") from None
+    versions = None if args.versions is None else list(_ints(args.versions, "--versions"))
     rows = asyncio.run(score_run(args.run_dir, versions, args.num_problems))
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "rows": rows}))
@@ -360,9 +364,6 @@ def _bench(args: argparse.Namespace) -> int:
 
     from jetroll.services.bench.versions import library_versions
 
-    def ints(text: str) -> tuple[int, ...]:
-        return tuple(int(part) for part in text.split(","))
-
     runs = {
         "learning": lambda m: m.run_learning_bench(args.seeds, args.kernels, args.run_dir, args.overrides,
                                                    args.max_steps),
@@ -370,15 +371,18 @@ def _bench(args: argparse.Namespace) -> int:
                                              args.s3_endpoint, args.fault_free),
         "precision": lambda m: m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides),
         "async": lambda m: m.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir),
-        "mismatch": lambda m: m.run_mismatch_bench(lengths=ints(args.lengths), num_samples=args.samples,
-                                                   threads=args.threads, model_path=args.model),
-        "reward": lambda m: m.run_reward_bench(concurrency=ints(args.concurrency), num_calls=args.calls,
-                                               workers=args.workers, lambda_endpoint=args.lambda_endpoint,
+        "mismatch": lambda m: m.run_mismatch_bench(lengths=_ints(args.lengths, "--lengths"),
+                                                   num_samples=args.samples, threads=args.threads,
+                                                   model_path=args.model),
+        "reward": lambda m: m.run_reward_bench(concurrency=_ints(args.concurrency, "--concurrency"),
+                                               num_calls=args.calls, workers=args.workers,
+                                               lambda_endpoint=args.lambda_endpoint,
                                                backends=tuple(args.backends.split(",")) if args.backends else None),
         "store": lambda m: m.run_store_bench(synthetic_mb=args.synthetic_mb, repeats=args.repeats,
                                              multipart_threshold_mib=args.multipart_threshold_mib),
         "shape": lambda m: m.run_shape_bench(args.layers, args.max_steps, args.run_dir, args.overrides),
-        "engine": lambda m: m.run_engine_bench(batch_sizes=ints(args.batch_sizes), new_tokens=args.new_tokens,
+        "engine": lambda m: m.run_engine_bench(batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
+                                               new_tokens=args.new_tokens,
                                                repeats=args.repeats, threads=args.threads,
                                                compile=not args.no_compile,
                                                include_vllm=False if args.no_vllm else None,

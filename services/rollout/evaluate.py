@@ -111,15 +111,14 @@ async def score_run(run_dir: Path, versions: Sequence[int] | None = None,
     missing = sorted(set(versions) - set(held))
     if missing:
         raise ConfigError(f"{run_dir}: the job's store no longer holds version(s) {missing}; it holds {held}")
-    task_names = [t.name for t in config.tasks]
+    problems = {t.name: get_task(t.name).heldout(num_problems) for t in config.tasks}
     rows = []
     for version in versions:
         started = time.perf_counter()
         model, tokenizer = load_pretrained(await store.fetch(version), config.precision.numerics())
-        problems = {name: get_task(name).heldout(num_problems) for name in task_names}
         prompts = PromptFormat.of(config.model, tokenizer)
         accuracy = {name: accuracy_on(model, tokenizer, get_task(name), problems[name], prompts=prompts)
-                    for name in task_names}
+                    for name in problems}
         rows.append({"version": version, **accuracy, "num_problems": {n: len(p) for n, p in problems.items()}})
         print(f"jetroll eval: v{version}: {accuracy} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
               flush=True)

@@ -148,23 +148,24 @@ def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
-    """One trainer seed on both kernel variants, 2 RL steps of a 1-layer model: each cell is a real `jetroll run`
-    from its own cold cache, the avx2 cell really runs AVX2 kernels, and a second call runs nothing again."""
-    cmd = [*JETROLL, "bench", "learning", "--json", "--seeds", "1", "--max-steps", "2",
+    """One trainer seed, named as a list, on both kernel variants, 2 RL steps of a 1-layer model: each cell is a real
+    `jetroll run` from its own cold cache, the avx2 cell really runs AVX2 kernels, and a second call runs nothing
+    again."""
+    cmd = [*JETROLL, "bench", "learning", "--json", "--seeds", "2,", "--max-steps", "2",
            "--run-dir", str(tmp_path / "bench"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=4",
            "--set", "model.warm_start.target_band=null", "--set", "model.warm_start.probe_problems=20",
            "--set", "eval.num_problems=20", "--set", "eval.every_steps=1", "--set", "trainer.groups_per_step=2",
            "--set", "trainer.group_size=2", "--set", "rollout.compile=false"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
     rows = first["rows"]
-    assert [(r["kernel"], r["seed"], r["warm_start_seed"]) for r in rows] == [("avx2", 0, 0), ("native", 0, 0)]
+    assert [(r["kernel"], r["seed"], r["warm_start_seed"]) for r in rows] == [("avx2", 2, 2), ("native", 2, 2)]
     assert rows[0]["cpu_capability"] == "AVX2" and rows[1]["cpu_capability"] != ""
     for row in rows:
         assert row["steps"] == 2 and row["warm_start_steps"] == 4 and row["eval_problems"] == {"arithmetic": 20}
         assert [step for step, _ in row["evals"]] == [0, 1, 2]
         assert row["lowest"] == min(a for _, a in row["evals"]) and row["rise"] == row["final"] - row["base"]
         assert row["wall_s"] > row["base_build_s"] > 0
-        assert (tmp_path / "bench" / f"{row['kernel']}-s0-w0" / "cache").is_dir()  # a cold cache per cell
+        assert (tmp_path / "bench" / f"{row['kernel']}-s2-w2" / "cache").is_dir()  # a cold cache per cell
     assert first["summary"]["min_final"] == min(r["final"] for r in rows)
     assert first["summary"]["min_rise"] == min(r["rise"] for r in rows)
     assert first["versions"]["torch"].startswith("2.13.0")
