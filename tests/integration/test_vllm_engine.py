@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_staleness import build_model
 
+from jetroll.services.trainer.warm_start import init_weights
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
@@ -89,25 +90,73 @@ def test_a_swap_resets_the_prefix_cache(models: tuple[CausalLM, CausalLM, dict])
     assert float(gap(first, stale).max()) > 0.1
 
 
-def test_fp8_on_vllm_runs_or_refuses_in_one_line(tmp_path: Path) -> None:
-    """A published block-FP8 version of a model whose widths are multiples of 128: vLLM runs it with its FP8 kernels,
-    or, where it has none (its CPU build needs AMX), the engine refuses to start in one line: it never runs
-    another precision than the job names."""
+def fp8_model(directory: Path, seed: int) -> Path:
+    """A published block-FP8 version whose widths are multiples of 128 and whose heads vLLM's CPU attention runs
+    (2 x 128), with q/k/v biases (vLLM's CPU FP8 GEMM once failed on a bf16 bias) and logits that are not flat."""
     tokenizer = build_char_tokenizer()
     args = ModelArgs(vocab_size=tokenizer.vocab_size, hidden_size=256, num_layers=1, num_heads=2, num_kv_heads=1,
                      intermediate_size=512, max_position_embeddings=512, eos_token_id=tokenizer.eos_id)
     precision = Precision(mode="fp8_unified")
-    torch.manual_seed(0)
-    save_pretrained(CausalLM(args, precision), tokenizer, tmp_path, publish=precision)
-    run = subprocess.run([sys.executable, str(DRIVER), "start", str(tmp_path), "fp8_unified"], capture_output=True,
-                         text=True, timeout=300)
+    torch.manual_seed(seed)
+    model = CausalLM(args, precision)
+    init_weights(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.5)
+            elif param.dim() == 2:
+                param.mul_(3.0)
+    save_pretrained(model, tokenizer, directory, publish=precision)
+    return directory
+
+
+def drive(*argv: str) -> dict[str, Any]:
+    run = subprocess.run([sys.executable, str(DRIVER), *argv], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.splitlines()[-1])
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_fp8_on_vllm_runs_or_refuses_in_one_line(tmp_path: Path) -> None:
+    """A published block-FP8 version: vLLM runs it with its FP8 kernels (AMX machines), or, where it has none, the
+    engine refuses to start in one line: it never runs another precision than the job names."""
+    result = drive("start", str(fp8_model(tmp_path, seed=0)), "fp8_unified")
     if not torch.cpu._is_amx_tile_supported():
         assert "cannot run precision.mode fp8_unified on this machine" in result["refused"], result
         assert "AMX" in result["refused"] and "\n" not in result["refused"], result
     else:
         assert len(result["output_ids"]) == 8 and all(lp <= 0 for lp in result["logprobs"]), result
+
+
+def test_vllms_cpu_fp8_kernel_runs_a_biased_model_and_its_swaps(tmp_path: Path) -> None:
+    """vLLM's CPU block-FP8 kernel (the one it picks on AMX), selected where its op exists without AMX: the first
+    forward raised "expected scalar type Float but found BFloat16" on the qkv bias before the engine handed the
+    kernel an fp32 bias. Its samples, before and after a swap, are the trainer's W8A16 function (FP8 weights,
+    bf16 activations) to bf16 rounding: so the bias is applied, and the swap's reload keeps it right."""
+    first, second = fp8_model(tmp_path / "a", seed=0), fp8_model(tmp_path / "b", seed=1)
+    runs = drive("fp8-swap", str(first), str(second), "amx-fp8-kernel")
+    if "no_kernel" in runs:
+        pytest.skip(f"{runs['no_kernel']} (vLLM's AVX2 build)")
+    for version, directory in ((0, first), (1, second)):
+        # the published FP8 weights, dequantized, with fp32 activations: vLLM's CPU kernel keeps activations bf16
+        weights_only = load_pretrained(directory, Precision(mode="fp32"))[0]
+        requests = runs[str(version)]
+        assert all(r["versions"] == [version] * 16 for r in requests), requests
+        delta = torch.cat([gap(weights_only, r) for r in requests])
+        assert float(delta.mean()) <= 0.01, (version, float(delta.mean()), float(delta.max()))
+
+
+def test_an_engine_whose_first_forward_fails_is_refused_at_start_up_in_one_line(tmp_path: Path) -> None:
+    """The start-up probe, on every machine: a kernel that loads but fails at its first forward (injected into
+    vLLM's attention, with C++ frames below its message) stops the engine before it reports ready, in one line."""
+    tokenizer = build_char_tokenizer()
+    args = ModelArgs(vocab_size=tokenizer.vocab_size, hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                     intermediate_size=256, max_position_embeddings=64, eos_token_id=tokenizer.eos_id)
+    torch.manual_seed(0)
+    save_pretrained(CausalLM(args), tokenizer, tmp_path)
+    assert len(drive("start", str(tmp_path), "fp32")["output_ids"]) == 8  # the control: it runs unbroken
+    refused = drive("start", str(tmp_path), "fp32", "failing-forward")["refused"]
+    assert refused == ("rollout.engine vllm failed its start-up probe (one forward of the loaded model): "
+                       "RuntimeError: expected scalar type Float but found BFloat16"), refused
 
 
 def test_a_head_dim_vllms_cpu_attention_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:

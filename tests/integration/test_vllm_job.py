@@ -68,3 +68,15 @@ def test_a_killed_vllm_worker_loses_nothing_and_leaves_nothing(start_job: Callab
     for pid in alive:  # a pid the kernel gave to a new process since is not the worker's
         assert b"jetroll" not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
     assert service_pids(None, job.config_path) == []
+
+
+def test_a_vllm_worker_that_cannot_start_fails_the_job_once_in_one_line(start_job: Callable[..., Job]) -> None:
+    """A worker whose engine cannot run the job (here block-FP8 on widths that are not multiples of 128; the start-up
+    probe's refusals take the same path) fails the job at once: one line naming the cause, no restart, no
+    traceback."""
+    job = start_job("rollout.engine=vllm", "precision.mode=fp8_unified")
+    assert job.wait() != 0, job.report()
+    stderr = job.stderr()
+    assert "service rollout-default-0 failed the job: " in stderr, stderr
+    assert "runs block-FP8 linears only on widths that are multiples of 128" in stderr, stderr
+    assert "restart 1/" not in stderr and "Traceback" not in stderr + job.service_log("rollout-default-0"), stderr
