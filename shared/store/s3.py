@@ -122,17 +122,6 @@ class S3WeightStore(WeightStore):
         async with body:
             return await body.read(), response["ETag"]
 
-    async def _put_create_only(self, s3: Any, key: str, data: bytes) -> bool:
-        """Put `key` only if absent; False when it exists with other bytes (a retried put of ours counts as won)."""
-        try:
-            await s3.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
-            return True
-        except ClientError as exc:
-            if error_code(exc) not in CONFLICT_CODES:
-                raise
-        existing = await self._get_bytes(s3, key)
-        return existing is not None and existing[0] == data
-
     async def _keys(self, s3: Any, prefix: str) -> list[str]:
         paginator = s3.get_paginator("list_objects_v2")
         return [
