@@ -20,8 +20,9 @@ from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import AnyEvent, Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
+from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.protocol.in_flight import InFlightIndex
-from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, group_id
+from jetroll.shared.protocol.ledger import Ledger, LedgerTotals
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, TRAJ_SCORED, WEIGHTS, Stream, groups_stream
 from jetroll.shared.protocol.validate import (
     EventLimits,

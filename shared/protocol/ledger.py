@@ -10,14 +10,12 @@ count every group ever recorded.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.ids import GROUP_ID, admission_index
 from jetroll.shared.protocol.topology import IN_FLIGHT, LEDGER, LEDGER_TOTALS
-
-GROUP_ID = "g%07d"  # a group's id from its admission index 1, 2, ...: ids sort in admission order
 
 # KEYS: outcomes hash, totals hash, in-flight set. ARGV: GROUP_ID, keep_groups, then per group: id, status,
 # num_samples, step, outcome JSON. A group is counted only when it is first recorded: not in the prefix, not in the
@@ -43,23 +41,6 @@ while redis.call('HEXISTS', KEYS[1], string.format(fmt, prefix)) == 1 do
 end
 redis.call('HSET', KEYS[2], 'prefix', prefix, 'max_step', max_step)
 """
-
-
-def group_id(index: int) -> str:
-    """The id of the group admitted `index`-th (from 1)."""
-    return GROUP_ID % index
-
-
-def admission_order(group: str) -> tuple[int, str]:
-    """Sort key that puts the controller's ids in admission order: zero-padded to 7 digits, an id grows longer only
-    past index 10^7, so a shorter id was admitted earlier (plain string order would put g10000000 first)."""
-    return len(group), group
-
-
-def admission_index(group: str) -> int | None:
-    """The admission index of an id `group_id` made, else None (such a group is never folded)."""
-    digits = re.search(r"\d+$", group)
-    return int(digits[0]) if digits and group_id(int(digits[0])) == group else None
 
 
 @dataclass(frozen=True, slots=True)

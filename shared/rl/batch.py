@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from jetroll.shared.protocol.events import ScoredEvent
-from jetroll.shared.protocol.ledger import admission_order
+from jetroll.shared.protocol.ids import admission_order
 
 
 @dataclass(slots=True)

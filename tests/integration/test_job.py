@@ -31,7 +31,8 @@ from jetroll.shared.config.job import load_config
 from jetroll.shared.config.launch import RedisConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, MetricsEvent, decode, encode
-from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, Outcome, group_id
+from jetroll.shared.protocol.ids import group_id
+from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, Outcome
 from jetroll.shared.store.local import LocalWeightStore
 
 pytestmark = pytest.mark.integration

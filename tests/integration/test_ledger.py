@@ -16,8 +16,9 @@ from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, WeightsPublishedEvent, decode
+from jetroll.shared.protocol.ids import admission_index, group_id
 from jetroll.shared.protocol.in_flight import InFlightIndex
-from jetroll.shared.protocol.ledger import Ledger, Outcome, admission_index, group_id
+from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import IN_FLIGHT
 from jetroll.shared.store import setup_store
 from jetroll.shared.store.base import Manifest, WeightStore

@@ -18,7 +18,8 @@ from jetroll.services.reward.pool import RewardPool
 from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent, decode
-from jetroll.shared.protocol.ledger import Ledger, Outcome, group_id
+from jetroll.shared.protocol.ids import group_id
+from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import TASKS, register_task

@@ -7,6 +7,8 @@ a function still ties two modules together, and it is how the launcher once reac
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,3 +114,15 @@ def test_only_the_protocol_room_imports_redis() -> None:
                        if not module.startswith(PROTOCOL) and any(name == "redis" or name.startswith("redis.")
                                for name in imported_names(module, path)))
     assert offenders == []
+
+
+def test_the_algorithm_room_loads_without_redis() -> None:
+    """Every module of `jetroll.shared.rl`, imported in a fresh interpreter, loads neither redis-py nor the bus:
+    transitive imports count (batch.py once reached redis through the ledger for a sort key)."""
+    code = ("import importlib, pkgutil, sys\nimport jetroll.shared.rl as rl\n"
+            "names = [m.name for m in pkgutil.iter_modules(rl.__path__)]\n"
+            "for name in names: importlib.import_module(f'jetroll.shared.rl.{name}')\n"
+            "print(len(names), 'redis' in sys.modules, 'jetroll.shared.protocol.bus' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    num_modules, has_redis, has_bus = run.stdout.split()
+    assert int(num_modules) >= 5 and (has_redis, has_bus) == ("False", "False"), run.stdout

@@ -10,7 +10,7 @@ import torch
 from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
 from jetroll.shared.config.rollout import TimingEngineConfig
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
-from jetroll.shared.protocol.ledger import group_id
+from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.rl.admission import Admission
 from jetroll.shared.rl.batch import GroupBuffer, collate
 from jetroll.shared.rl.staleness import staleness_stats
