@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetroll", description="FP8 end-to-end, disaggregated RL post-training")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a whole job locally: private redis-server + every service as a process")
+    run = sub.add_parser("run", help="run a whole job locally: private redis-server + every service as a process",
+                         epilog="every config field, with its default and description: jetroll config [SECTION]")
     _config_args(run, required=True, what="job config YAML (configs/*.yaml), or an s3://bucket/key job (JSON or YAML)")
     run.add_argument("--max-steps", type=int, help="override trainer.max_steps")
     run.add_argument("--run-dir", type=Path, help="where metrics, summary and the weight store go (runs/<job_id>)")
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--num-problems", type=int, help="held-out problems per task (default: the job's "
                        "eval.num_problems)")
     score.add_argument("--json", action="store_true", help="print one JSON object")
+
+    reference = sub.add_parser("config", help="every job config field: its type, default and description")
+    reference.add_argument("section", nargs="?", help="only the fields under this dotted prefix, e.g. rollout or "
+                           "model.warm_start")
+    reference.add_argument("--json", action="store_true", help="print one JSON list")
 
     redis_url = os.environ.get("JETROLL_REDIS_URL")
     submit = sub.add_parser("submit", help="validate a job config and queue it for `jetroll controller --watch` "
@@ -242,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "config":
+            return _config_reference(parser, args)
         if args.command == "submit":
             return _submit(parser, args)
         if args.command == "status":
@@ -304,6 +312,22 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ConfigError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+
+
+def _config_reference(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from jetroll.shared.config.reference import field_docs, format_reference
+
+    docs = field_docs()
+    if args.section:
+        docs = [doc for doc in docs if f"{doc.path}.".startswith(f"{args.section}.")
+                or doc.path.startswith(f"{args.section}[]")]
+        if not docs:
+            sections = sorted({doc.path.split(".")[0].removesuffix("[]") for doc in field_docs()})
+            parser.error(f"no config field under {args.section!r}; sections: {', '.join(sections)}")
+    print(json.dumps([asdict(doc) for doc in docs], indent=1) if args.json else format_reference(docs))
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:

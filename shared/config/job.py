@@ -26,7 +26,8 @@ from jetroll.shared.config.trainer import TrainerConfig
 class TaskWeight(Strict):
     """A registered task in the mix (`kind: registered`, the default)."""
 
-    kind: Literal["registered"] = "registered"
+    kind: Literal["registered"] = Field("registered", description="a task jetroll registers by name (the default "
+                                        "kind; `dataset`: a task read from files)")
     name: str = Field(description="a registered task name (see jetroll.shared.tasks.registry.TASKS)")
     weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
 
