@@ -39,7 +39,7 @@ from jetroll.shared.tasks.registry import get_task
 WARMSTART_FILE = "warmstart.json"
 RANDOM_INIT_FILE = "random_init.json"
 RANDOM_INIT_VERSION = 1  # bump when build_random_model's code changes the weights a config builds
-RECIPE_VERSION = 2  # bump when the build's code changes what a config builds (2: stop by probe accuracy)
+RECIPE_VERSION = 3  # bump when the build changes what a config builds (2: stop by accuracy; 3: byte-level tokenizer)
 INIT_STD = 0.02
 IGNORE_INDEX = -100
 

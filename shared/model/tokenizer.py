@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 CHARSET = "0123456789+-=*/:;,.?!()[] abcdefghijklmnopqrstuvwxyz\n"
 SPECIAL_TOKENS = ("<pad>", "<eos>")
+# transformers' Qwen2Tokenizer pre-split (before its byte-level mapping), which the char tokenizer shares
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # besides tokenizer.json: what a checkpoint ships for its tokenizer, kept byte for byte through every publish
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -29,6 +32,9 @@ class Tokenizer:
         self.eos_id = eos_id
         pad_id = tokenizer.token_to_id(self.pad_token)
         self.pad_id = eos_id if pad_id is None else pad_id
+        model = json.loads(tokenizer.to_str())["model"]  # a character vocabulary, as build_char_tokenizer's
+        self.is_closed_alphabet = (model["type"] == "BPE" and not model["merges"] and model["unk_token"] is None
+                                   and not model["byte_fallback"])
 
     @property
     def chat_template(self) -> str | None:
@@ -55,7 +61,12 @@ class Tokenizer:
         return self.backend.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # a character vocabulary drops what it lacks: refuse the text rather than train on less of it
+        if self.is_closed_alphabet and (decoded := self.backend.decode(ids, skip_special_tokens=False)) != text:
+            missing = "".join(sorted(set(text) - set(decoded)))
+            raise ValueError(f"the tokenizer has no token for {missing!r} (in {text[:80]!r})")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -76,13 +87,19 @@ class Tokenizer:
 
 
 def build_char_tokenizer() -> Tokenizer:
-    """Char-level vocabulary: the special tokens, then one token per character of CHARSET."""
+    """Char-level vocabulary: the special tokens, then one token per character of CHARSET. It is written as a
+    byte-level BPE without merges, the pipeline transformers 5 imposes on every `qwen2` model's tokenizer
+    (Qwen2Tokenizer), so `AutoTokenizer` on a published version encodes and decodes as jetroll does: each character
+    is its byte-level symbol (" " is "Ġ", "\\n" is "Ċ"), and its id is its place in CHARSET."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARSET:
-        vocab[ch] = len(vocab)
-    backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
+        vocab[byte_level.pre_tokenize_str(ch)[0][0]] = len(vocab)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                     byte_level])
+    backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     return Tokenizer(backend, eos_token="<eos>", pad_token="<pad>")
 

@@ -18,7 +18,7 @@ from jetroll.services.trainer.warm_start import build_base_model, config_hash, e
 from jetroll.shared.config.base import WarmStartError
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.model.checkpoint import load_pretrained
-from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.model.tokenizer import CHARSET, SPECIAL_TOKENS, build_char_tokenizer
 from jetroll.shared.tasks.registry import get_task
 
 
@@ -76,12 +76,9 @@ def test_loads_with_transformers(built: tuple[Path, dict]) -> None:
     assert auto.eos_token == "<eos>" and auto.eos_token_id == tokenizer.eos_id
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which swaps in a ByteLevel "
-    "pre-tokenizer/decoder and drops whitespace; shared/model/tokenizer.py must steer AutoTokenizer",
-)
 def test_auto_tokenizer_round_trips(built: tuple[Path, dict]) -> None:
+    """transformers 5 loads every qwen2 model's tokenizer as Qwen2Tokenizer, a byte-level BPE whatever the files
+    say; the char tokenizer is one, so a published model encodes and decodes alike through AutoTokenizer."""
     transformers = pytest.importorskip("transformers")
     out_dir, _ = built
     _, tokenizer = load_pretrained(out_dir)
@@ -89,6 +86,18 @@ def test_auto_tokenizer_round_trips(built: tuple[Path, dict]) -> None:
     text = "12-345=-333\ncount 1000 by 7: 1007 1014"
     assert auto.encode(text, add_special_tokens=False) == tokenizer.encode(text)
     assert auto.decode(auto.encode(text, add_special_tokens=False)) == text
+    assert (auto.eos_token_id, auto.pad_token_id) == (tokenizer.eos_id, tokenizer.pad_id)
+
+
+def test_the_char_tokenizer_keeps_its_ids_and_refuses_what_it_lacks() -> None:
+    """Its ids are the places in CHARSET they always were (a base built before it is the same model), and a character
+    outside the vocabulary is an error, never silently dropped."""
+    tokenizer = build_char_tokenizer()
+    assert tokenizer.vocab_size == len(SPECIAL_TOKENS) + len(CHARSET)
+    assert tokenizer.encode(CHARSET) == list(range(len(SPECIAL_TOKENS), tokenizer.vocab_size))
+    assert tokenizer.decode(tokenizer.encode(CHARSET)) == CHARSET
+    with pytest.raises(ValueError, match="the tokenizer has no token for 'BX'"):
+        tokenizer.encode("aBc X")
 
 
 def test_same_seed_bitwise_identical(built: tuple[Path, dict], tmp_path: Path) -> None:
