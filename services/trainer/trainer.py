@@ -336,7 +336,7 @@ class Trainer:
         mask = batch.loss_mask > 0
         # of pi_prox, the policy at the start of the step, over every policy token (zero-advantage groups included)
         entropy = float(policy.entropy[mask].mean()) if mask.any() else float("nan")
-        return {"entropy": entropy} | self._staleness_stats(batch, policy.prox_logp) | self._task_stats(batch)
+        return {"entropy": entropy} | self._mismatch_stats(batch, policy.prox_logp) | self._task_stats(batch)
 
     def _lr(self) -> float:
         """This step's learning rate: a pure function of the version, so a resumed run picks the schedule up."""
@@ -345,7 +345,7 @@ class Trainer:
         return cosine_lr(self.version, cfg.max_steps, cfg.lr, warmup_steps=cfg.warmup_steps,
                          final_ratio=cfg.lr_final_ratio, hold_steps=max(0, decay_start - cfg.warmup_steps))
 
-    def _staleness_stats(self, batch: TokenBatch, prox_logp: torch.Tensor) -> dict[str, float]:
+    def _mismatch_stats(self, batch: TokenBatch, prox_logp: torch.Tensor) -> dict[str, float]:
         mask = batch.loss_mask > 0
         same_version = one_version_tokens(mask, batch.v_tok, self.version,
                                           kept_kv=not self.config.rollout.recompute_kv_on_swap)

@@ -79,9 +79,9 @@ def ppo_loss(
     loss_mask: torch.Tensor,
     cfg: TrainerConfig,
     *,
+    correction: PrecisionConfig,
     denominator: float | None = None,
     ref_logp: torch.Tensor | None = None,
-    correction: PrecisionConfig | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss over token tensors [B, T]; returns (scalar loss, float stats).
@@ -89,10 +89,10 @@ def ppo_loss(
     `advantages` is [B] (one per sequence, broadcast over tokens) or [B, T]. The summed token loss
     is divided by the number of loss_mask == 1 tokens counted before band masking, or by `denominator` when given:
     Dr.GRPO's constant (batch x max_new_tokens), or the token count of a batch some rows of which were left out.
-    `correction` picks the behaviour correction (`behavior_correction`); None is the default `PrecisionConfig`'s.
+    `correction` picks the behaviour correction (`behavior_correction`): required, so a caller cannot drop the job's
+    `precision` section and train with the defaults' correction unseen.
     `entropy` [B, T], pi_theta's token entropy with grad, adds the bonus -cfg.entropy_coef x entropy per token.
     """
-    correction = correction if correction is not None else PrecisionConfig()
     mask = loss_mask.float()
     adv = advantages.float()
     if adv.dim() == 1:

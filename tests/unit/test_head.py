@@ -84,6 +84,7 @@ PEAK = textwrap.dedent("""
     import json, resource, sys
     import torch
     from jetroll.services.trainer.passes import head_logprobs
+    from jetroll.shared.config.precision import PrecisionConfig
     from jetroll.shared.config.trainer import TrainerConfig
     from jetroll.shared.model.args import ModelArgs
     from jetroll.shared.model.model import CausalLM
@@ -104,7 +105,7 @@ PEAK = textwrap.dedent("""
     logp, entropy = head_logprobs(model, hidden, targets, torch.ones(batch))
     config = TrainerConfig(entropy_coef=0.01)
     loss, _ = ppo_loss(logp, logp.detach(), behavior, torch.randn(batch), torch.ones(batch, seq), config,
-                       entropy=entropy)
+                       correction=PrecisionConfig(), entropy=entropy)
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert weight.grad is not None and hidden.grad is not None and torch.isfinite(weight.grad).all()

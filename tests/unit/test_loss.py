@@ -34,6 +34,7 @@ def _grad(
     cfg: TrainerConfig,
     **kw: object,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    kw.setdefault("correction", PrecisionConfig())
     loss, stats = ppo_loss(logp, prox, beh, adv, mask, cfg, **kw)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss.detach(), grad, stats
@@ -312,7 +313,7 @@ def test_leaving_out_zero_advantage_rows_keeps_the_gradient(advantage: str) -> N
         logp = token_logprobs(model(input_ids[rows, :width]), targets[rows, :width], 1.0)
         behavior = logp.detach() + jitter[rows, :width]
         loss, _ = ppo_loss(logp, logp.detach(), behavior, advantages[rows], mask[rows, :width], cfg,
-                           denominator=denominator)
+                           correction=PrecisionConfig(), denominator=denominator)
         loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
@@ -82,7 +83,8 @@ def test_packed_gradient_matches_the_row_layout() -> None:
     def grads(logits_of: object) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
         logp = token_logprobs(logits_of(), targets, 1.0)  # type: ignore[operator]
-        loss, _ = ppo_loss(logp, logp.detach(), logp.detach() - 0.05, advantages, loss_mask, TrainerConfig())
+        loss, _ = ppo_loss(logp, logp.detach(), logp.detach() - 0.05, advantages, loss_mask, TrainerConfig(),
+                           correction=PrecisionConfig())
         loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 
