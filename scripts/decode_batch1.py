@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from jetroll.services.bench.engine import SEED, _tiny_args
-from jetroll.services.rollout.engine import Engine, Request
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 

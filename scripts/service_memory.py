@@ -20,15 +20,16 @@ from safetensors.torch import load_file
 
 from jetroll.services.bench.shape import CONFIG, _with_layers
 from jetroll.services.launch.entrypoints import prepare_process
-from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.trainer.trainer import Trainer
-from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model.checkpoint import WEIGHTS, load_pretrained, save_pretrained
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup
 from jetroll.shared.store import setup_store
+from jetroll.shared.warm_start import ensure_base_model
 
 GIB = 1024**3
 

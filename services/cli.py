@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ray_address=args.ray_address, num_cpus=args.ray_num_cpus)
             return run_job(config, run_dir=args.run_dir, redis_url=args.redis_url)
         if args.command == "init-model":
-            from jetroll.services.trainer.warm_start import main as init_main
+            from jetroll.shared.warm_start import main as init_main
 
             init_main(load_config(args.config, args.overrides).model, force=args.force)
             return 0
@@ -331,7 +331,7 @@ def _config_reference(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from jetroll.services.rollout.evaluate import score_run
+    from jetroll.shared.engine.evaluate import score_run
 
     versions = None if args.versions is None else list(_ints(args.versions, "--versions"))
     rows = asyncio.run(score_run(args.run_dir, versions, args.num_problems))
@@ -372,7 +372,7 @@ def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _celery_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Replace this process with the Celery worker the local launcher would start for the job's reward config."""
-    from jetroll.services.reward.celery_worker import worker_command, worker_env
+    from jetroll.services.launch.celery_worker import worker_command, worker_env
 
     reward = load_config(args.config, args.overrides).reward
     broker_url = reward.celery_broker_url or args.redis_url

@@ -34,12 +34,12 @@ from typing import Any, Literal
 from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
 from jetroll.services.launch.local import Launcher
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.config.rollout import TimingEngineConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.ledger import Ledger, Outcome
+from jetroll.shared.warm_start import ensure_base_model
 
 log = logging.getLogger("jetroll.bench.async")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jetroll.services.rollout.timing_engine import draw
 from jetroll.shared.config.rollout import TimingEngineConfig
+from jetroll.shared.engine.timing import draw
 
 
 def expected_max_s(config: TimingEngineConfig, n: int, num_draws: int = 20_000, seed: int = 0) -> float:

@@ -71,7 +71,7 @@ def _engine_runner(
     model: CausalLM, prompts: torch.Tensor, new_tokens: int, eos_id: int, compile: bool
 ) -> tuple[Callable[[], None], float]:
     """The timed run, and the engine's compile time (paid once at construction, outside the runs)."""
-    from jetroll.services.rollout.engine import Engine
+    from jetroll.shared.engine.engine import Engine
 
     bsz, prompt_len = prompts.shape
     engine = Engine(model, eos_id=eos_id, max_batch=bsz, max_len=prompt_len + new_tokens, seed=SEED, compile=compile)
@@ -80,7 +80,7 @@ def _engine_runner(
 
 def _generate_runner(engine: Any, prompts: torch.Tensor, new_tokens: int) -> Callable[[], None]:
     """One timed run: every prompt generates exactly `new_tokens` on `engine` (jetroll's or vLLM's)."""
-    from jetroll.services.rollout.engine import Request
+    from jetroll.shared.engine.request import Request
 
     rows = prompts.tolist()
 
@@ -97,7 +97,7 @@ def _swap_cost(make_engine: Callable[[], Any], states: list[dict[str, torch.Tens
     """Seconds from pause to resume of a swap with 16 requests in flight (64 tokens each so far, 32-token prompts):
     `swap_s` is `swap_weights` (jetroll: load + KV recompute; vLLM: abort, reload, cache reset, resubmit) and
     `first_step_s` the step after it (vLLM re-prefills there); medians over `repeats` swaps."""
-    from jetroll.services.rollout.engine import Request
+    from jetroll.shared.engine.request import Request
 
     engine = make_engine()
     generator = torch.Generator().manual_seed(SEED)
@@ -146,7 +146,7 @@ def run_engine_bench(
         hf_model = transformers.Qwen2ForCausalLM.from_pretrained(directory / "tiny", dtype=torch.float32).eval()
         vllm_engine = None
         if include_vllm:
-            from jetroll.services.rollout.vllm_engine import VllmEngine, import_vllm
+            from jetroll.shared.engine.vllm import VllmEngine, import_vllm
 
             vllm_version = import_vllm().__version__
             # one engine for every batch size: vLLM schedules what it is given, up to max_num_seqs
@@ -193,7 +193,7 @@ def run_engine_bench(
             rows.append(row)
         swap: dict[str, dict[str, Any]] = {}
         if vllm_engine is not None:
-            from jetroll.services.rollout.engine import Engine
+            from jetroll.shared.engine.engine import Engine
 
             shapes = {"tiny": fp32_model.args, "wide": _wide_args(tokenizer.vocab_size)}
             for shape, args in ((shape, shapes[shape]) for shape in swap_shapes):

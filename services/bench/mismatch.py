@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.config.precision import PrecisionConfig
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model import exact
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained

@@ -99,7 +99,7 @@ def run_reward_bench(
     with ExitStack() as stack:
         redis_server = stack.enter_context(RedisServer())
         if "celery" in backends:
-            from jetroll.services.reward.celery_worker import CeleryWorker
+            from jetroll.services.launch.celery_worker import CeleryWorker
 
             stack.enter_context(CeleryWorker(config, redis_server.url))
         rows = asyncio.run(_run(config, redis_server.url, backends, concurrency, num_calls))

@@ -46,8 +46,8 @@ SEED = 0
 
 def default_checkpoint(directory: Path) -> Path:
     """The default job's tiny model (configs/arithmetic.yaml), randomly initialised, as an HF-format dir."""
-    from jetroll.services.trainer.warm_start import init_weights, model_args
     from jetroll.shared.model.checkpoint import save_pretrained
+    from jetroll.shared.model.init import init_weights, model_args
     from jetroll.shared.model.model import CausalLM
     from jetroll.shared.model.tokenizer import build_char_tokenizer
 

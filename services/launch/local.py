@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from jetroll.services.launch.celery_worker import start_worker_process
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
-from jetroll.services.reward.celery_worker import start_worker_process
 from jetroll.shared.config.base import JOB_FAILED_EXIT
 from jetroll.shared.config.dataset import DatasetTaskConfig
 from jetroll.shared.config.job import JobConfig, validate_config
@@ -150,7 +150,7 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
     """The config every service of a job reads: its datasets read and checked, the base model built or found
     (model.path), and the store root (or the S3 store's cache) and dataset paths made absolute, `<run_dir>/store`
     by default. `jetroll run` and the watch-mode controller both resolve a job this way."""
-    from jetroll.services.trainer.warm_start import ensure_base_model
+    from jetroll.shared.warm_start import ensure_base_model
 
     check_datasets(config)
     model_path = ensure_base_model(config.model)

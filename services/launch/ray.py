@@ -295,7 +295,7 @@ class RayJob:
 
 def _start_celery(config: JobConfig, redis_url: str, run_dir: Path, consumer: str) -> subprocess.Popen:
     """The Celery reward worker runs beside the driver, as the local launcher runs it."""
-    from jetroll.services.reward.celery_worker import start_worker_process
+    from jetroll.services.launch.celery_worker import start_worker_process
 
     reward = config.reward
     with (run_dir / "logs" / "celery-worker.log").open("ab") as out:

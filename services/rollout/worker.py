@@ -1,6 +1,6 @@
 """Rollout worker: Group work items in, one Trajectory event per finished sample out, weights hot-swapped.
 
-Multi-turn tasks run their environments beside the engine (services/rollout/turns.py): a sequence waiting on its
+Multi-turn tasks run their environments beside the engine (shared/engine/turns.py): a sequence waiting on its
 environment is paused in its slot while the others decode, and environment results are applied between steps.
 """
 
@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from jetroll.services.rollout.engine import Engine, Request, probe
-from jetroll.services.rollout.timing_engine import TimingEngine
-from jetroll.services.rollout.turns import TurnRunner
-from jetroll.services.rollout.vllm_engine import VllmEngine
 from jetroll.shared.config.job import JobConfig
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.interface import RolloutEngine, probe
+from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.timing import TimingEngine
+from jetroll.shared.engine.turns import TurnRunner
+from jetroll.shared.engine.vllm import VllmEngine
 from jetroll.shared.model.checkpoint import load_pretrained, read_args, torch_device
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
@@ -58,7 +60,7 @@ class RolloutWorker:
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine_name = config.rollout.engine_of(self.pool)
         self.precision_id = config.precision.rollout_precision_id(self.engine_name)
-        self.engine: Engine | VllmEngine | TimingEngine | None = None
+        self.engine: RolloutEngine | None = None
         self.limits: EventLimits | None = None  # set with the engine: token ids must fit its embedding
         self.tokenizer: Tokenizer | None = None
         self.turns: TurnRunner | None = None  # multi-turn environments (every engine but the timing model)
@@ -75,16 +77,15 @@ class RolloutWorker:
         await self.bus.ensure_group(self.stream.name, self.stream.group)
         version = await self._wait_for_weights()
         self.engine = self._setup_engine(await self.store.fetch(version))
-        if not isinstance(self.engine, TimingEngine):  # the timing model runs no kernels
+        if not isinstance(self.engine, TimingEngine):  # the timing model runs no kernels and no environments
             probe(self.engine, self.engine_name)
+            assert self.tokenizer is not None
+            rollout = self.config.rollout
+            self.turns = TurnRunner(self.engine, self.tokenizer, rollout.env_timeout_s, rollout.env_max_retries)
         self.engine.version = version
         self.serving_since = self.ticked_at = time.monotonic()
         log.info("%s serving version %d on %s (start-up %.1f s)", self.consumer, version, self.engine_name,
                  self.engine.compile_s)
-        if not isinstance(self.engine, TimingEngine):
-            assert self.tokenizer is not None
-            rollout = self.config.rollout
-            self.turns = TurnRunner(self.engine, self.tokenizer, rollout.env_timeout_s, rollout.env_max_retries)
         watcher = asyncio.create_task(self._watch_weights())
         try:
             await self._loop()
@@ -93,7 +94,7 @@ class RolloutWorker:
             if self.turns is not None:
                 await self.turns.close()
 
-    def _setup_engine(self, directory: Path) -> Engine | VllmEngine | TimingEngine:
+    def _setup_engine(self, directory: Path) -> RolloutEngine:
         rollout = self.config.rollout
         max_batch = self.pool.max_batch or rollout.max_batch
         if self.engine_name == "timing":

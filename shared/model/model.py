@@ -45,6 +45,11 @@ class KVCache:
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
 
+    def swap_slots(self, a: int, b: int, length: int) -> None:
+        for k, v in zip(self.k, self.v, strict=True):
+            k[[a, b], :, :length] = k[[b, a], :, :length]
+            v[[a, b], :, :length] = v[[b, a], :, :length]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, precision: Precision) -> None:

@@ -26,7 +26,6 @@ from helpers import JETROLL, T, aof_path, tensorboard_scalars, wait_until, wandb
 
 from jetroll.services.controller.sinks import scheme_name
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config
 from jetroll.shared.config.launch import RedisConfig
 from jetroll.shared.protocol.bus import RedisBus
@@ -34,6 +33,7 @@ from jetroll.shared.protocol.events import Array, MetricsEvent, decode, encode
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, Outcome
 from jetroll.shared.store.local import LocalWeightStore
+from jetroll.shared.warm_start import ensure_base_model
 
 pytestmark = pytest.mark.integration
 

@@ -19,12 +19,13 @@ import torch
 from helpers import JETROLL
 from test_job import hold_streams
 
-from jetroll.services.rollout.engine import Engine, Request
 from jetroll.services.rollout.worker import RolloutWorker
-from jetroll.services.trainer.warm_start import ensure_base_model, init_weights, model_args
 from jetroll.shared.config.job import load_config, validate_config
 from jetroll.shared.config.model import ModelConfig
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model.checkpoint import save_pretrained
+from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
@@ -41,6 +42,7 @@ from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.calculator import CalculatorEnv
 from jetroll.shared.tasks.env import EnvStep
 from jetroll.shared.tasks.registry import TASKS, register_task
+from jetroll.shared.warm_start import ensure_base_model
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ from reward_harness import (
 )
 
 from jetroll.functions.celery_app import MAX_RUNS
+from jetroll.services.launch.celery_worker import CeleryWorker
 from jetroll.services.reward.backends import setup_backend
-from jetroll.services.reward.celery_worker import CeleryWorker
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.protocol.topology import TRAJ_RAW
 

@@ -20,13 +20,13 @@ from helpers import ended, wait_until_async
 from test_job import hold_streams
 
 from jetroll.services.launch.local import Launcher
-from jetroll.services.rollout.engine import Engine
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.trainer import Trainer
-from jetroll.services.trainer.warm_start import init_weights, model_args
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.config.model import ModelConfig
+from jetroll.shared.engine.engine import Engine
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
+from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus

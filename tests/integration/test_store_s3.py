@@ -25,11 +25,11 @@ from test_job import audit_ledger, launch, service_logs, stop
 
 from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.services.rollout.worker import RolloutWorker
-from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import load_config
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.store.base import WeightStoreError
 from jetroll.shared.store.s3 import S3WeightStore
+from jetroll.shared.warm_start import ensure_base_model
 
 pytestmark = pytest.mark.integration
 

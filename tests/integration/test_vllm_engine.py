@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_staleness import build_model
 
-from jetroll.services.trainer.warm_start import init_weights
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
+from jetroll.shared.model.init import init_weights
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer

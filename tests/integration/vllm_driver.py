@@ -12,9 +12,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from jetroll.services.rollout.engine import Request, probe
-from jetroll.services.rollout.vllm_engine import VllmEngine
 from jetroll.shared.config.base import JobFailedError
+from jetroll.shared.engine.interface import probe
+from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.vllm import VllmEngine
 from jetroll.shared.model.checkpoint import read_args
 from jetroll.shared.model.tokenizer import load_tokenizer
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from jetroll.services.rollout.engine import Engine, Request
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM

@@ -11,13 +11,13 @@ import pytest
 from chat_models import QWEN_TEMPLATE, bpe_model_dir
 
 from jetroll.services.launch.local import check_datasets
-from jetroll.services.trainer.warm_start import config_hash
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config, validate_config
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.tasks.dataset import DatasetError, DatasetTask
 from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.warm_start import config_hash
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jetroll.services.rollout import engine as engine_module
-from jetroll.services.rollout.engine import Engine, Request, sample_tokens
+from jetroll.shared.engine import engine as engine_module
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.sampler import sample_tokens
 from jetroll.shared.model import decode_attention
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import WEIGHTS, load_state, save_pretrained

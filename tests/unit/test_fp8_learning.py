@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jetroll.services.trainer.warm_start import IGNORE_INDEX, init_weights, model_args, sft_batch, sft_lr
 from jetroll.shared.config.model import ModelConfig
+from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.warm_start import IGNORE_INDEX, sft_batch, sft_lr
 
 STEPS, BATCH, LR = 200, 32, 3e-3
 TINY = ModelConfig(num_layers=1, intermediate_size=256)

@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from jetroll.services.rollout.engine import Engine
+from jetroll.shared.engine.engine import Engine
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.tokenizer import build_char_tokenizer

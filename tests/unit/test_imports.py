@@ -126,3 +126,16 @@ def test_the_algorithm_room_loads_without_redis() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     num_modules, has_redis, has_bus = run.stdout.split()
     assert int(num_modules) >= 5 and (has_redis, has_bus) == ("False", "False"), run.stdout
+
+
+def test_no_service_imports_another() -> None:
+    """The four services meet only through the protocol: what two of them share lives in `shared/`."""
+    services = ("controller", "rollout", "reward", "trainer")
+
+    def service_of(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "services" and parts[2] in services else None
+
+    crossings = sorted((module, name) for module, names in import_graph().items() for name in names
+                       if service_of(module) and service_of(name) and service_of(module) != service_of(name))
+    assert crossings == []

@@ -11,11 +11,11 @@ import torch
 from pydantic import ValidationError
 
 from jetroll.services.launch.local import resolve_config
-from jetroll.services.trainer.warm_start import ensure_base_model
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.checkpoint import load_pretrained, read_weights
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.warm_start import ensure_base_model
 
 TOKENIZER = build_char_tokenizer()
 QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 96, "hidden_size": 64,

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from jetroll.services.trainer.warm_start import sft_lr
 from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
 from jetroll.shared.rl.schedule import cosine_lr
+from jetroll.shared.warm_start import sft_lr
 
 
 def test_cosine_without_warmup_starts_at_the_peak_and_decays_to_the_floor() -> None:

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from jetroll.services.rollout.engine import Request
-from jetroll.services.rollout.timing_engine import TimingEngine, draw
 from jetroll.shared.config.rollout import TimingEngineConfig
+from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.timing import TimingEngine, draw
 
 EOS, VOCAB = 1, 50
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetroll.services.rollout.engine import Engine, Request
-from jetroll.services.rollout.turns import TurnRunner, run_episodes
 from jetroll.services.trainer.passes import proximal_pass
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.turns import TurnRunner, run_episodes
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM

@@ -11,15 +11,16 @@ import torch
 from safetensors.torch import load_file
 
 from jetroll.functions.runner import get_reward
-from jetroll.services.rollout.engine import Engine, Request
-from jetroll.services.rollout.evaluate import evaluate
-from jetroll.services.trainer import warm_start
-from jetroll.services.trainer.warm_start import build_base_model, config_hash, ensure_base_model
+from jetroll.shared import warm_start
 from jetroll.shared.config.base import WarmStartError
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
+from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.evaluate import evaluate
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import CHARSET, SPECIAL_TOKENS, build_char_tokenizer
 from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.warm_start import build_base_model, config_hash, ensure_base_model
 
 
 def tiny_config(cache_dir: Path | str = "~/.cache/jetroll", seed: int = 0) -> ModelConfig:

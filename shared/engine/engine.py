@@ -1,103 +1,29 @@
-"""A CPU continuous-batching engine: prefill new sequences into free slots, decode all running ones.
+"""jetroll's CPU continuous-batching engine: prefill new sequences into free slots, decode all running ones.
 
-Running sequences always occupy slots [0, n), so a decode step attends over a view of the cache
-with no gather; a finished sequence's slot is refilled by moving the last one into it.
-
-Multi-turn: a sequence that samples its turn-end token is paused. It keeps its KV cache in a slot at the
-top of the cache (slots max_batch - 1, max_batch - 2, ...) and is not decoded until `resume` appends its
-environment's observation (prefilled after its cached positions) or `finish` ends it.
+Which slot holds which sequence is the slot table's (`slots.py`), what a sequence draws the sampler's
+(`sampler.py`). Multi-turn: a sequence that samples its turn-end token is paused with its KV cache in the slot
+table's paused region, and is not decoded until `resume` appends its environment's observation (prefilled after its
+cached positions) or `finish` ends it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
-from jetroll.shared.config.base import JobFailedError
-from jetroll.shared.model import decode_attention, exact
+from jetroll.shared.engine.request import Request, has_room_after
+from jetroll.shared.engine.sampler import choose_tokens, token_logprobs
+from jetroll.shared.engine.slots import SlotTable
+from jetroll.shared.model import decode_attention
 from jetroll.shared.model.checkpoint import load_state
 from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.precision import PACKED_MIN_ROWS
-from jetroll.shared.seeds import derive_seed, uniforms
+from jetroll.shared.seeds import derive_seed
 
 RECOMPUTE_TOKENS = 8192  # padded tokens per batched KV-recompute forward on a weight swap (bounds its memory)
-
-
-@dataclass(slots=True)
-class Request:
-    """One sample to generate. temperature == 0 means greedy."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # mu_t = log_softmax(logits / T)[token], untruncated
-    versions: list[int] = field(default_factory=list)  # weight version that produced each token
-    finish_reason: str | None = None
-    env_status: str = "ok"  # the environment's outcome; anything else makes the reward router record env_fail
-    turn_end_id: int | None = None  # multi-turn: this token ends a model turn and pauses the sequence
-    observations: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of env tokens in output_ids
-    env_reward: float | None = None  # the environment's own reward, when it gives one
-    sampling_key: int = field(default=0, init=False)  # set by Engine.add: its seed and request_id, hashed
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError(f"request {self.request_id}: empty prompt")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1")
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def loss_mask(self) -> list[int]:
-        """1 per sampled token, 0 per observation token."""
-        mask = [1] * len(self.output_ids)
-        for start, length in self.observations:
-            mask[start : start + length] = [0] * length
-        return mask
-
-
-class RolloutEngine(Protocol):
-    """What the rollout worker drives: jetroll's `Engine`, `VllmEngine` and `TimingEngine`. `step` runs at most one
-    token step and returns what ended; `swap_weights` runs between steps, and the tokens after it carry `version`."""
-
-    version: int
-    max_batch: int
-    max_len: int
-    compile_s: float
-    waiting: deque[Request]
-    running: list[Request]
-    paused: list[Request]
-
-    @property
-    def num_free_slots(self) -> int: ...
-
-    @property
-    def has_work(self) -> bool: ...
-
-    def add(self, requests: list[Request]) -> None: ...
-
-    def step(self) -> list[Request]: ...
-
-    def swap_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool = True) -> None: ...
-
-
-class TurnEngine(RolloutEngine, Protocol):
-    """An engine that runs multi-turn episodes: a sequence that ends a turn pauses until `resume` or `finish`."""
-
-    def resume(self, request: Request, observation_ids: list[int]) -> None: ...
-
-    def finish(self, request: Request, reason: str = "stop") -> None: ...
 
 
 class Engine:
@@ -126,8 +52,7 @@ class Engine:
         self.seed = seed
         self.version = 0
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # running[i] lives in cache slot i
-        self.paused: list[Request] = []  # paused[j] lives in cache slot max_batch - 1 - j, awaiting its environment
+        self.slots = SlotTable(max_batch, self.cache)
         self.resuming: dict[str, list[int]] = {}  # request_id -> observation ids, appended at the next step
         self.model.refresh_inference_weights()
         self.decode_fn = model.decode
@@ -141,13 +66,21 @@ class Engine:
             self.compile_s = self._compile()
 
     @property
+    def running(self) -> list[Request]:
+        return self.slots.running
+
+    @property
+    def paused(self) -> list[Request]:
+        return self.slots.paused
+
+    @property
     def num_free_slots(self) -> int:
         return self.max_batch - len(self.running) - len(self.paused) - len(self.waiting)
 
     @property
     def has_work(self) -> bool:
         """Something to prefill, append or decode; paused sequences wait on their environments, not on the engine."""
-        has_free_slot = len(self.running) + len(self.paused) < self.max_batch
+        has_free_slot = self.slots.num_held < self.max_batch
         return bool(self.running or self.resuming or (self.waiting and has_free_slot))
 
     def add(self, requests: list[Request]) -> None:
@@ -164,7 +97,7 @@ class Engine:
         that finished and multi-turn ones that ended a turn (finish_reason None: now paused)."""
         if self.resuming:
             return self._append()
-        if self.waiting and len(self.running) + len(self.paused) < self.max_batch:
+        if self.waiting and self.slots.num_held < self.max_batch:
             return self._prefill()
         if self.running:
             return self._decode()
@@ -183,7 +116,7 @@ class Engine:
         self.model.refresh_inference_weights()
         self.version = version
         if recompute_kv:
-            held = [*enumerate(self.running), *((self._paused_slot(j), r) for j, r in enumerate(self.paused))]
+            held = [*enumerate(self.running), *((self.slots.paused_slot(j), r) for j, r in enumerate(self.paused))]
             held.sort(key=lambda item: item[1].num_tokens)
             # batched prefills of similar lengths: a forward per sequence was most of the default job's rollout time
             while held:
@@ -206,7 +139,7 @@ class Engine:
 
     def finish(self, request: Request, reason: str = "stop") -> None:
         """End a paused sequence (its environment is done or failed) and free its slot."""
-        self._take_paused(request)
+        self.slots.take_paused(request)
         request.finish_reason = request.finish_reason or reason
 
     def _append(self) -> list[Request]:
@@ -216,7 +149,7 @@ class Engine:
             observation = self.resuming.pop(request.request_id)
             start = request.num_tokens - 1  # the turn-end token: sampled, not yet in the cache
             slot = len(self.running)
-            self._take_paused(request, to_slot=slot)
+            self.slots.take_paused(request, to_slot=slot)
             self.running.append(request)
             request.observations.append((len(request.output_ids), len(observation)))
             request.output_ids += observation
@@ -228,41 +161,10 @@ class Engine:
             finished += self._sample([request], self.model.logits(hidden[:, -1]), first_slot=slot)
         return finished
 
-    def _paused_slot(self, index: int) -> int:
-        return self.max_batch - 1 - index
-
-    def _take_paused(self, request: Request, to_slot: int | None = None) -> None:
-        """Remove a paused sequence, keeping the paused ones contiguous at the top; copy its cache to `to_slot`."""
-        index, lowest = self.paused.index(request), len(self.paused) - 1
-        if index != lowest:  # swap it with the lowest paused sequence, which is the one that stays put
-            self._swap_slots(self._paused_slot(index), self._paused_slot(lowest),
-                             max(request.num_tokens, self.paused[lowest].num_tokens))
-            self.paused[index], self.paused[lowest] = self.paused[lowest], request
-        self.paused.pop()
-        if to_slot is not None and to_slot != self._paused_slot(lowest):
-            self.cache.copy_slot(self._paused_slot(lowest), to_slot, request.num_tokens)
-
-    def _pause(self, slot: int) -> None:
-        """Move running[slot] (it ended a turn) to the lowest free slot of the paused region, KV cache and all."""
-        request, last = self.running[slot], len(self.running) - 1
-        if slot != last:  # swap it with the last running sequence: the paused region may start at `last`
-            self._swap_slots(slot, last, max(request.num_tokens, self.running[last].num_tokens))
-            self.running[slot], self.running[last] = self.running[last], request
-        self.running.pop()
-        top = self._paused_slot(len(self.paused))
-        if top != last:
-            self.cache.copy_slot(last, top, request.num_tokens)
-        self.paused.append(request)
-
-    def _swap_slots(self, a: int, b: int, length: int) -> None:
-        for k, v in zip(self.cache.k, self.cache.v, strict=True):
-            k[[a, b], :, :length] = k[[b, a], :, :length]
-            v[[a, b], :, :length] = v[[b, a], :, :length]
-
     def _prefill(self) -> list[Request]:
         """Prefill waiting requests into free slots: one forward per chunk of prompts, right-padded, since an eager
         forward per group was most of the default job's rollout time; siblings sharing a prompt copy its cache."""
-        free = self.max_batch - len(self.running) - len(self.paused)
+        free = self.max_batch - self.slots.num_held
         groups: list[list[Request]] = []
         while self.waiting and free:
             group = [self.waiting.popleft()]
@@ -314,9 +216,7 @@ class Engine:
         return self._sample(list(self.running), logits[:, 0], first_slot=0)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor, first_slot: int) -> list[Request]:
-        if any(r.temperature not in (0.0, 1.0) for r in batch):
-            logits = logits / self._tensor([r.temperature if r.temperature > 0 else 1.0 for r in batch])[:, None]
-        logprobs = exact.log_softmax(logits) if self.is_exact else torch.log_softmax(logits, dim=-1)
+        logprobs = token_logprobs(batch, logits, self.is_exact)
         tokens = self._choose(batch, logprobs)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         done, turned = [], []
@@ -335,26 +235,13 @@ class Engine:
                 done.append(request)
         # highest slot first: a finished sequence in the last slot is popped, not copied over a freed one
         for slot in sorted((self.running.index(request, first_slot) for request in done), reverse=True):
-            self._release(slot)
+            self.slots.release(slot)
         for request in turned:
-            self._pause(self.running.index(request, first_slot))
+            self.slots.pause(self.running.index(request, first_slot))
         return done + turned
 
     def _choose(self, batch: list[Request], logprobs: torch.Tensor) -> torch.Tensor:
-        probs = logprobs.exp()
-        if any(r.top_p < 1 for r in batch):
-            top_p = self._tensor([r.top_p for r in batch])
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
-            probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
-        keys = np.array([r.sampling_key for r in batch], dtype=np.uint64)
-        counters = np.array([len(r.output_ids) for r in batch], dtype=np.uint64)
-        sampled = sample_tokens(probs, torch.from_numpy(uniforms(keys, counters)).to(self.device))
-        if not any(r.temperature == 0 for r in batch):
-            return sampled
-        greedy = self._tensor([r.temperature == 0 for r in batch])
-        return torch.where(greedy, logprobs.argmax(-1), sampled)
+        return choose_tokens(batch, logprobs)  # a method, so a scripted engine (tests) can choose its own turns
 
     def _padded(self, rows: list[list[int]], width: int) -> torch.Tensor:
         """Token ids [len(rows), width], each row right-padded with 0."""
@@ -365,51 +252,3 @@ class Engine:
 
     def _arange(self, start: int, end: int) -> torch.Tensor:
         return torch.arange(start, end, device=self.device)
-
-    def _release(self, slot: int) -> None:
-        last = len(self.running) - 1
-        if slot != last:
-            moved = self.running[last]
-            self.cache.copy_slot(last, slot, moved.num_tokens)
-            self.running[slot] = moved
-        self.running.pop()
-
-
-def probe(engine: RolloutEngine, engine_name: str) -> None:
-    """One greedy token from a two-token prompt before the engine reports ready. A kernel that loads but fails at its
-    first forward (vLLM's CPU FP8 GEMM on AMX did) fails the job here, once, in one line, instead of at the first
-    group and again after every restart."""
-    request = Request("start-up-probe", [0, 1], 1, temperature=0.0, ignore_eos=True)
-    try:
-        engine.add([request])
-        while request.finish_reason is None:
-            engine.step()
-    except Exception as exc:  # any failure: the job cannot run on this engine, and no restart changes that
-        raise JobFailedError(f"rollout.engine {engine_name} failed its start-up probe (one forward of the loaded "
-                             f"model): {error_line(exc)}") from None
-
-
-def error_line(exc: BaseException, limit: int = 400) -> str:
-    """`TypeName: message` on one line, at most `limit` characters, without the C++ frames torch errors append."""
-    lines = []
-    for line in str(exc).strip().splitlines():
-        if line.startswith(("Exception raised from", "frame #")):
-            break
-        lines.append(line.strip())
-    message = " ".join(filter(None, lines))
-    return f"{type(exc).__name__}: {message[:limit]}{'...' if len(message) > limit else ''}"
-
-
-def has_room_after(request: Request, observation_ids: list[int], max_len: int) -> bool:
-    """Whether a model turn still fits after appending an observation: in the sample's budget and in the context."""
-    return (len(request.output_ids) + len(observation_ids) < request.max_new_tokens
-            and request.num_tokens + len(observation_ids) < max_len)
-
-
-def sample_tokens(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: per row of `probs` [B, V] (unnormalised, >= 0), the first token whose cumulative mass
-    exceeds `uniform` [B] (fp64 in [0, 1)) times the row's total. A row's token depends on that row alone."""
-    cdf = probs.cumsum(-1, dtype=torch.float64)
-    target = (uniform * cdf[:, -1])[:, None]
-    # right=True skips zero-probability tokens; the clamp catches a target that rounds up to the total
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)

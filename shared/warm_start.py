@@ -23,12 +23,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from safetensors.torch import load_file
 
-from jetroll.services.rollout.evaluate import accuracy_on
 from jetroll.shared.config.base import WarmStartError
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
+from jetroll.shared.engine.evaluate import accuracy_on
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_state, save_pretrained
+from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, build_char_tokenizer, load_tokenizer
 from jetroll.shared.rl.schedule import cosine_lr
@@ -40,35 +41,7 @@ WARMSTART_FILE = "warmstart.json"
 RANDOM_INIT_FILE = "random_init.json"
 RANDOM_INIT_VERSION = 1  # bump when build_random_model's code changes the weights a config builds
 RECIPE_VERSION = 3  # bump when the build changes what a config builds (2: stop by accuracy; 3: byte-level tokenizer)
-INIT_STD = 0.02
 IGNORE_INDEX = -100
-
-
-def model_args(config: ModelConfig, tokenizer: Tokenizer) -> ModelArgs:
-    return ModelArgs(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        intermediate_size=config.intermediate_size,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_theta=config.rope_theta,
-        tie_word_embeddings=config.tie_word_embeddings,
-        model_type="qwen2",
-        eos_token_id=tokenizer.eos_id,
-    )
-
-
-def init_weights(model: CausalLM) -> None:
-    """HF-style init: N(0, 0.02) matrices and embeddings, zero biases, unit norms."""
-    for name, param in model.named_parameters():
-        if name.endswith("bias"):
-            torch.nn.init.zeros_(param)
-        elif "norm" in name:
-            torch.nn.init.ones_(param)
-        else:
-            torch.nn.init.normal_(param, std=INIT_STD)
 
 
 def sft_batch(

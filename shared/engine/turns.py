@@ -13,7 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from jetroll.services.rollout.engine import Request, TurnEngine
+from jetroll.shared.engine.interface import TurnEngine
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, call_env

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from jetroll.services.rollout.engine import Request
 from jetroll.shared.config.rollout import TimingEngineConfig
+from jetroll.shared.engine.request import Request
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS
 
 MAX_CHUNKS_PER_STEP = 8  # a step sleeps at most this long, so the worker swaps weights and refills slots promptly

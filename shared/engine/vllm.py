@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from jetroll.services.rollout.engine import Request, error_line, has_room_after
 from jetroll.shared.config.base import JobFailedError
+from jetroll.shared.engine.interface import error_line
+from jetroll.shared.engine.request import Request, has_room_after
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.seeds import derive_seed
 
