@@ -63,7 +63,7 @@ def scored_events(trainer: Trainer, job_id: str) -> list[ScoredEvent]:
     events = []
     for row in range(8):
         group, sample = divmod(row, 4)
-        prompt = trainer.tokenizer.encode(f"{100 + group}+23=")
+        prompt = trainer.actor.tokenizer.encode(f"{100 + group}+23=")
         completion = torch.randint(10, 400, (12,), generator=generator).tolist()
         traj = TrajectoryEvent(
             job_id=job_id, traj_id=f"g{group}:{sample}", group_id=f"g{group}", sample=sample, task="arithmetic",
@@ -130,7 +130,7 @@ def main(service: str, layers: int) -> None:
     for step in range(1, 4):
         trainer._step(groups_of(events))
         rss.phase(f"step {step}")
-        shutil.rmtree(trainer._stage({"g0": 4, "g1": 4}, ["0-0"]))
+        shutil.rmtree(trainer.committer.stage(trainer.version, {"g0": 4, "g1": 4}, ["0-0"]))
         rss.phase(f"staging {step}")
     shutil.rmtree(work)
 

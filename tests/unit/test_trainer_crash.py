@@ -153,7 +153,7 @@ def test_a_trainer_refuses_a_store_whose_newest_version_has_no_state(
 
     async def body() -> None:
         try:
-            await trainer._resume_or_publish_base()
+            trainer.version = await trainer.committer.resume_or_publish_base()
         finally:
             await trainer.bus.close()
 

@@ -17,10 +17,10 @@ import torch
 
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.services.trainer.trainer import Trainer
-from jetroll.services.trainer.warm_start import init_weights, model_args
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.checkpoint import save_pretrained
+from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
@@ -95,10 +95,10 @@ def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...]
                        rewards: tuple[tuple[float, ...], ...] = REWARDS) -> list[ScoredEvent]:
     """Events whose mu = the trainer's own log-prob of each token minus log(ratio): pi_prox / mu = the ratios."""
     job = trainer.config.job_id
-    completions = [[trainer.tokenizer.encode(str(d))[0] for d in range(len(r))] for r in ratios_of_rows]
+    completions = [[trainer.actor.tokenizer.encode(str(d))[0] for d in range(len(r))] for r in ratios_of_rows]
     placeholder = [trajectory(job, i, c, [0.0] * len(c)) for i, c in enumerate(completions)]
-    batch = collate(groups_of(placeholder), trainer.tokenizer.pad_id)
-    logp, _ = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+    batch = collate(groups_of(placeholder), trainer.actor.tokenizer.pad_id)
+    logp, _ = proximal_pass(trainer.actor.model, batch.input_ids, batch.targets, batch.temperature)
     events = []
     for row, (completion, ratios) in enumerate(zip(completions, ratios_of_rows, strict=True)):
         own = logp[row][batch.loss_mask[row] > 0]
@@ -107,7 +107,7 @@ def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...]
 
 
 def flat_parameters(trainer: Trainer) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    return torch.cat([p.detach().flatten() for p in trainer.actor.model.parameters()])
 
 
 def test_every_correction_changes_the_trainers_update(
@@ -158,7 +158,7 @@ def test_dr_grpo_divides_by_batch_times_max_new_tokens(
     own = get_task("arithmetic").max_new_tokens
     budget = own if cap is None else min(own, cap)
     assert summed != 0 and budget == trainer.config.rollout.sample_budget(own)
-    width = collate(groups, trainer.tokenizer.pad_id).loss_mask.shape[1]
+    width = collate(groups, trainer.actor.tokenizer.pad_id).loss_mask.shape[1]
     assert width != budget  # the padded width would give another loss
     assert stats["loss"] == pytest.approx(-summed / (len(RATIOS) * budget), rel=1e-4)
 
@@ -172,12 +172,12 @@ def test_step_reports_the_token_entropy_of_pi_prox(
     trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"backend": backend})
     rewards = (REWARDS[0], (1.0, 1.0, 1.0, 1.0))  # the second group has no signal
     groups = groups_of(events_with_ratios(trainer, RATIOS, rewards))
-    batch = collate(groups, trainer.tokenizer.pad_id)
-    _, entropy = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+    batch = collate(groups, trainer.actor.tokenizer.pad_id)
+    _, entropy = proximal_pass(trainer.actor.model, batch.input_ids, batch.targets, batch.temperature)
     stats = trainer._step(groups)
     assert stats["grad_rows_frac"] == 0.5
     expected = float(entropy[batch.loss_mask > 0].mean())
-    assert 0 < expected <= math.log(trainer.model.args.vocab_size)
+    assert 0 < expected <= math.log(trainer.actor.model.args.vocab_size)
     assert stats["entropy"] == pytest.approx(expected, rel=1e-5)
 
 
@@ -196,8 +196,8 @@ def test_entropy_bonus_raises_the_entropy_the_step_leaves(
         groups = groups_of(events)
         trainer._step(groups)
         updated[coef] = flat_parameters(trainer) - before
-        batch = collate(groups, trainer.tokenizer.pad_id)
-        _, entropy = proximal_pass(trainer.model, batch.input_ids, batch.targets, batch.temperature)
+        batch = collate(groups, trainer.actor.tokenizer.pad_id)
+        _, entropy = proximal_pass(trainer.actor.model, batch.input_ids, batch.targets, batch.temperature)
         entropy_after[coef] = float(entropy[batch.loss_mask > 0].mean())
     assert float((updated[1.0] - updated[0.0]).norm() / updated[0.0].norm()) > 0.05
     assert entropy_after[1.0] > entropy_after[0.0]
@@ -227,7 +227,7 @@ def test_a_group_whose_missing_sample_is_invalid_is_dropped(
         bad = trajectory(job, invalid_sample, completion, [float("nan"), -0.5])
         await trainer.bus.publish(TRAJ_SCORED.name, bad)
         for _ in range(3):
-            await trainer._ingest()
+            await trainer.intake.read()
         outcomes = await Ledger(trainer.bus).outcomes()
         lag = await trainer.bus.lag(TRAJ_SCORED.name, TRAJ_SCORED.group)
         dlq = await trainer.bus.read_dlq()
@@ -238,7 +238,7 @@ def test_a_group_whose_missing_sample_is_invalid_is_dropped(
     assert len(dlq) == 1 and "behavior_logprobs" in dlq[0]["reason"]
     if invalid_sample == 3:
         assert outcomes["g0"] == Outcome(0, "dropped:invalid", 3) and lag == 0
-        assert "g0" not in trainer.buffer.groups
+        assert "g0" not in trainer.intake.buffer.groups
     else:
         assert outcomes == {} and lag == 3  # the three held samples stay pending until their group trains
-        assert len(trainer.buffer.groups["g0"].samples) == 3
+        assert len(trainer.intake.buffer.groups["g0"].samples) == 3

@@ -1,0 +1,119 @@
+"""The actor: the policy, its optimizer and the KL reference, and one optimizer step on a batch of groups."""
+
+from __future__ import annotations
+
+import torch
+
+from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
+from jetroll.shared.config.job import JobConfig
+from jetroll.shared.model.checkpoint import load_pretrained, torch_device
+from jetroll.shared.model.model import CausalLM
+from jetroll.shared.rl.batch import PendingGroup, TokenBatch, collate
+from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
+from jetroll.shared.rl.mismatch import mismatch_stats, one_version_tokens
+from jetroll.shared.rl.schedule import cosine_lr
+from jetroll.shared.rl.staleness import fresh_tokens
+from jetroll.shared.tasks.registry import get_task
+
+
+class Actor:
+    def __init__(self, config: JobConfig) -> None:
+        assert config.model.path, "the launcher resolves model.path before services start"
+        self.config = config
+        self.device = torch_device(config.trainer.device, "trainer.device")
+        numerics = config.precision.numerics().trainer_side()
+        self.model, self.tokenizer = load_pretrained(config.model.path, numerics, self.device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.trainer.lr,
+                                           weight_decay=config.trainer.weight_decay)
+        self.reference: CausalLM | None = None
+        if config.trainer.kl_coef > 0:
+            self.reference, _ = load_pretrained(config.model.path, numerics, self.device)
+            self.reference.requires_grad_(False)
+            self.reference.share_inference_masters()
+
+    def step(self, groups: list[PendingGroup], version: int) -> dict[str, float]:
+        """batch -> pi_prox -> advantages -> the corrected PPO loss -> one optimizer step, at the trainer's `version`
+        (the caller publishes)."""
+        cfg = self.config.trainer
+        batch = collate(groups, self.tokenizer.pad_id, self.device)
+        # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
+        # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
+        with_grad = gradient_rows(batch.rewards, has_kl=self.reference is not None)
+        self.optimizer.zero_grad(set_to_none=True)
+        policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id, entropy_grad=cfg.entropy_coef > 0)
+        advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
+        loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, version, self.config.staleness.eta_hard)
+        stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self.lr(version)}
+        if policy.logp is not None:  # with no signal at all there is nothing to step on (not even Adam's momentum)
+            rows, width = policy.rows, policy.width
+            loss, loss_stats = ppo_loss(
+                policy.logp, policy.prox_logp[rows, :width], batch.behavior_logp[rows, :width], advantages[rows],
+                loss_mask[rows, :width], cfg, denominator=self._loss_denominator(batch, loss_mask),
+                ref_logp=self._reference_logp(batch, rows, width), correction=self.config.precision,
+                entropy=policy.row_entropy)
+            stats |= loss_stats | self._optimizer_step(loss, stats["lr"])
+        return stats | self._batch_stats(batch, policy, version)
+
+    def lr(self, version: int) -> float:
+        """The learning rate of the step that makes `version + 1`: a pure function of the version, so a resumed run
+        picks the schedule up."""
+        cfg = self.config.trainer
+        decay_start = cfg.max_steps if cfg.lr_schedule == "constant" else round(cfg.max_steps * (1 - cfg.lr_decay_frac))
+        return cosine_lr(version, cfg.max_steps, cfg.lr, warmup_steps=cfg.warmup_steps,
+                         final_ratio=cfg.lr_final_ratio, hold_steps=max(0, decay_start - cfg.warmup_steps))
+
+    def _loss_denominator(self, batch: TokenBatch, loss_mask: torch.Tensor) -> float:
+        budgets = [self.config.rollout.sample_budget(get_task(task).max_new_tokens) for task in batch.tasks]
+        return loss_denominator(self.config.trainer.advantage, loss_mask, budgets)
+
+    def _reference_logp(self, batch: TokenBatch, rows: torch.Tensor, width: int) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        return reference_logp(self.reference, batch, rows, width, self.tokenizer.pad_id)
+
+    def _optimizer_step(self, loss: torch.Tensor, lr: float) -> dict[str, float]:
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.grad_clip))
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the staging that follows needs the room more than the next step
+        return {"grad_norm": grad_norm}
+
+    def _batch_stats(self, batch: TokenBatch, policy: PolicyPass, version: int) -> dict[str, float]:
+        mask = batch.loss_mask > 0
+        # of pi_prox, the policy at the start of the step, over every policy token (zero-advantage groups included)
+        entropy = float(policy.entropy[mask].mean()) if mask.any() else float("nan")
+        return {"entropy": entropy} | self._mismatch_stats(batch, policy.prox_logp, version) | _task_stats(batch)
+
+    def _mismatch_stats(self, batch: TokenBatch, prox_logp: torch.Tensor, version: int) -> dict[str, float]:
+        mask = batch.loss_mask > 0
+        same_version = one_version_tokens(mask, batch.v_tok, version,
+                                          kept_kv=not self.config.rollout.recompute_kv_on_swap)
+        abs_delta = (prox_logp - batch.behavior_logp).abs()
+        delta = abs_delta[same_version]
+        per_pool = {}  # pools may run different engines: each has its own gap to the trainer
+        for pool in sorted(set(batch.pools)):
+            rows = torch.tensor([p == pool for p in batch.pools], device=mask.device)
+            pool_delta = abs_delta[same_version & rows[:, None]]
+            per_pool[f"mismatch/pool/{pool}"] = float(pool_delta.mean()) if pool_delta.numel() else float("nan")
+        stats = mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap)
+        return stats | per_pool | {
+            "mismatch_abs_sum": float(delta.sum()),
+            "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
+            "mismatch_tokens": float(same_version.sum()),
+            "num_policy_tokens": float(mask.sum()),
+            "precision_mismatch": float(delta.mean()) if delta.numel() else float("nan"),
+            "mismatch_coverage": float(same_version.sum() / mask.sum().clamp(min=1)),
+        }
+
+
+def _task_stats(batch: TokenBatch) -> dict[str, float]:
+    rewards = batch.rewards.flatten().tolist()
+    stats: dict[str, float] = {"reward_mean": sum(rewards) / len(rewards)}
+    for task in sorted(set(batch.tasks)):
+        rows = [i for i, t in enumerate(batch.tasks) if t == task]
+        stats[f"reward/{task}"] = sum(rewards[i] for i in rows) / len(rows)
+        stats[f"accuracy/{task}"] = sum(batch.is_correct[i] for i in rows) / len(rows)
+    return stats
