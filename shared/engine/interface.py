@@ -11,6 +11,8 @@ import torch
 from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.engine.request import Request
 
+PROBE_PROMPT_TOKENS = 16
+
 
 class RolloutEngine(Protocol):
     """What the rollout worker drives: jetroll's `Engine`, `VllmEngine` and `TimingEngine`. `step` runs at most one
@@ -46,17 +48,19 @@ class TurnEngine(RolloutEngine, Protocol):
 
 
 def probe(engine: RolloutEngine, engine_name: str) -> None:
-    """One greedy token from a two-token prompt before the engine reports ready. A kernel that loads but fails at its
-    first forward (vLLM's CPU FP8 GEMM on AMX did) fails the job here, once, in one line, instead of at the first
-    group and again after every restart."""
-    request = Request("start-up-probe", [0, 1], 1, temperature=0.0, ignore_eos=True)
+    """A prefill of up to PROBE_PROMPT_TOKENS tokens and one decode step, greedy, before the engine reports ready. A
+    kernel that loads but fails at its first forward (vLLM's CPU FP8 GEMM on AMX did) fails the job here, once, in
+    one line, instead of at the first group and again after every restart. The prefill is long enough for the GEMMs'
+    many-row paths (vLLM's CPU FP8 op switches to a brgemm above a few rows), the decode step takes the one-row one."""
+    prompt = list(range(max(1, min(PROBE_PROMPT_TOKENS, engine.max_len - 3))))
+    request = Request("start-up-probe", prompt, 2, temperature=0.0, ignore_eos=True)
     try:
         engine.add([request])
         while request.finish_reason is None:
             engine.step()
     except Exception as exc:  # any failure: the job cannot run on this engine, and no restart changes that
-        raise JobFailedError(f"rollout.engine {engine_name} failed its start-up probe (one forward of the loaded "
-                             f"model): {error_line(exc)}") from None
+        raise JobFailedError(f"rollout.engine {engine_name} failed its start-up probe (a prefill and a decode step "
+                             f"of the loaded model): {error_line(exc)}") from None
 
 
 def error_line(exc: BaseException, limit: int = 400) -> str:

@@ -133,9 +133,19 @@ def test_vllms_cpu_fp8_kernel_runs_a_biased_model_and_its_swaps(tmp_path: Path) 
     kernel an fp32 bias. Its samples, before and after a swap, are the trainer's W8A16 function (FP8 weights,
     bf16 activations) to bf16 rounding: so the bias is applied, and the swap's reload keeps it right."""
     first, second = fp8_model(tmp_path / "a", seed=0), fp8_model(tmp_path / "b", seed=1)
-    runs = drive("fp8-swap", str(first), str(second), "amx-fp8-kernel")
+    run = subprocess.run([sys.executable, str(DRIVER), "fp8-swap", str(first), str(second), "amx-fp8-kernel"],
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode != 0 and "Brgemm VNNI format is only supported" in run.stderr:
+        # oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX2) still sends the op's many-row path to a brgemm that needs
+        # AMX, which aborts the process from C++: the op cannot run here at all
+        pytest.skip("vLLM's CPU FP8 op aborts in its brgemm path here (AMX needed under this oneDNN ISA cap)")
+    assert run.returncode == 0, run.stderr[-3000:]
+    runs = json.loads(run.stdout.splitlines()[-1])
     if "no_kernel" in runs:
         pytest.skip(f"{runs['no_kernel']} (vLLM's AVX2 build)")
+    if "refused" in runs:  # the op itself cannot run here (e.g. oneDNN capped below its brgemm's ISA): not the bias
+        assert "expected scalar type" not in runs["refused"], runs["refused"]
+        pytest.skip(f"vLLM's CPU FP8 op does not run on this CPU: {runs['refused']}")
     for version, directory in ((0, first), (1, second)):
         # the published FP8 weights, dequantized, with fp32 activations: vLLM's CPU kernel keeps activations bf16
         weights_only = load_pretrained(directory, Precision(mode="fp32"))[0]
@@ -155,8 +165,8 @@ def test_an_engine_whose_first_forward_fails_is_refused_at_start_up_in_one_line(
     save_pretrained(CausalLM(args), tokenizer, tmp_path)
     assert len(drive("start", str(tmp_path), "fp32")["output_ids"]) == 8  # the control: it runs unbroken
     refused = drive("start", str(tmp_path), "fp32", "failing-forward")["refused"]
-    assert refused == ("rollout.engine vllm failed its start-up probe (one forward of the loaded model): "
-                       "RuntimeError: expected scalar type Float but found BFloat16"), refused
+    assert refused == ("rollout.engine vllm failed its start-up probe (a prefill and a decode step of the loaded "
+                       "model): RuntimeError: expected scalar type Float but found BFloat16"), refused
 
 
 def test_a_head_dim_vllms_cpu_attention_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -95,7 +95,10 @@ def fp8_swap(first: Path, second: Path, how: str) -> dict[str, object]:
     if force(how) is None:
         return {"no_kernel": "this vLLM build has no fp8_scaled_mm_cpu op"}
     engine = VllmEngine(first, read_args(first)[0], load_tokenizer(first).vocab_size, "fp8_unified", 4, 64, seed=5)
-    probe(engine, "vllm")
+    try:
+        probe(engine, "vllm")
+    except JobFailedError as exc:
+        return {"refused": str(exc)}
     prompt = load_tokenizer(first).encode("123+456=579\n98")
     out = {}
     for version, directory in enumerate((first, second)):
