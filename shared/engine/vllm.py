@@ -12,7 +12,7 @@ killed worker leaves nothing behind. Continuous batching is vLLM's own: every `s
   vLLM runs with its own FP8 kernels (or refuses, in one line, where it has none: its CPU build needs AMX). On the
   CPU those kernels read a linear's bias in fp32, so the engine hands it theirs in fp32 (`_fp32_bias_for_cpu_fp8`).
 - **Start-up.** Any error while vLLM starts is one line that fails the job (JobFailedError, never restarted); the
-  worker then runs one tiny forward (`engine.probe`) before it reports ready.
+  worker then runs the start-up probe (`interface.probe`: a prefill and a decode step) before it reports ready.
 - **mu.** vLLM's processed log-probs are log-softmax(logits / T) after its logits processors and before top-k/top-p,
   which the config keeps off (top_p < 1 is refused), so they are mu.
 - **Seeds.** Each vLLM request draws from its own generator seeded by (job seed, request_id, tokens so far): a sample
@@ -133,9 +133,8 @@ class VllmEngine:
         except Exception as exc:  # vLLM starts or it does not; no restart changes that
             if is_fp8 and isinstance(exc, ValueError):
                 # e.g. vLLM's CPU build has block-FP8 kernels only for AMX (Sapphire Rapids and newer)
-                reason = " ".join(str(exc).split())
-                raise JobFailedError(f"vLLM cannot run precision.mode {mode} on this machine ({reason}); run "
-                                     "precision.mode bf16 or fp32 on vllm pools here") from None
+                raise JobFailedError(f"vLLM cannot run precision.mode {mode} on this machine ({error_line(exc)}); "
+                                     "run precision.mode bf16 or fp32 on vllm pools here") from None
             raise JobFailedError(f"vLLM failed to start in precision.mode {mode}: {error_line(exc)}") from None
         self.compile_s = time.perf_counter() - started  # vLLM's start-up: load, profile, warm-up (and compile)
         self.version = 0

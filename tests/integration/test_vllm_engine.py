@@ -143,9 +143,7 @@ def test_vllms_cpu_fp8_kernel_runs_a_biased_model_and_its_swaps(tmp_path: Path) 
     runs = json.loads(run.stdout.splitlines()[-1])
     if "no_kernel" in runs:
         pytest.skip(f"{runs['no_kernel']} (vLLM's AVX2 build)")
-    if "refused" in runs:  # the op itself cannot run here (e.g. oneDNN capped below its brgemm's ISA): not the bias
-        assert "expected scalar type" not in runs["refused"], runs["refused"]
-        pytest.skip(f"vLLM's CPU FP8 op does not run on this CPU: {runs['refused']}")
+    assert "refused" not in runs, runs["refused"]  # the start-up probe failed: the bias error, or another
     for version, directory in ((0, first), (1, second)):
         # the published FP8 weights, dequantized, with fp32 activations: vLLM's CPU kernel keeps activations bf16
         weights_only = load_pretrained(directory, Precision(mode="fp32"))[0]
