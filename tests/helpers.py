@@ -46,6 +46,14 @@ async def wait_until_async(predicate: Callable[[], Awaitable[T | None]], what: s
     pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{context()}")
 
 
+async def cancel_and_wait(task: asyncio.Task[Any], what: str, timeout_s: float = 15.0) -> None:
+    """Cancel `task` and wait for it to end; fail naming `what` when it does not (a swallowed cancellation)."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        pytest.fail(f"{what} did not stop within {timeout_s:.0f}s of its cancellation")
+
+
 def ended(task: asyncio.Task[Any]) -> Callable[[], str]:
     """A `gone` for a task: re-raises the error it died of, or says it stopped."""
 
