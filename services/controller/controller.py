@@ -12,13 +12,13 @@ from pathlib import Path
 from jetroll.services.controller.progress import MetricsBook, ProgressView, plot_curves
 from jetroll.services.controller.routing import route_tasks
 from jetroll.services.controller.sinks import MetricSinks
-from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.engine.evaluate import evaluate
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.dead_letters import DeadLetterAlarm, DeadLetters, dead_letter_counts
 from jetroll.shared.protocol.events import AnyEvent, Array, GroupEvent, MetricsEvent, WeightsPublishedEvent
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.protocol.in_flight import InFlightIndex
@@ -28,7 +28,6 @@ from jetroll.shared.protocol.validate import (
     EventLimits,
     check_metrics,
     check_weights,
-    dead_letter_counts,
     expecting,
 )
 from jetroll.shared.rl.admission import Admission, in_flight_caps
@@ -43,33 +42,6 @@ log = logging.getLogger("jetroll.controller")
 # to rebuild the step in progress (written rows come back from metrics.jsonl, drops from the ledger)
 METRICS_KEEP_S = 30.0
 METRICS_TRIM_EVERY_S = 5.0
-ALARM_WINDOW_S = 10.0  # the dead-letter alarm compares the dlq's growth with the samples recorded over this
-
-
-class DeadLetterAlarm:
-    """Fails the job when most of its events go to the dlq: `min_dead` dead letters over consecutive windows of
-    ALARM_WINDOW_S, in each of which fewer samples were recorded (trained or dropped) than dead-lettered. A version
-    skew between services looks like this, fast or slow, and would otherwise stall the job for good."""
-
-    def __init__(self, bus: RedisBus, min_dead: int, last_id: str, num_recorded: int) -> None:
-        self.bus, self.min_dead = bus, min_dead
-        self.last_id, self.num_recorded, self.checked_at = last_id, num_recorded, time.monotonic()
-        self.suspect: list[dict[str, str]] = []  # dead letters of the current run of such windows
-
-    def is_due(self) -> bool:
-        return time.monotonic() - self.checked_at >= ALARM_WINDOW_S
-
-    async def check(self, num_recorded: int) -> None:
-        self.last_id, dead = await self.bus.dead_letters_after(self.last_id, count=100_000)
-        num_new = num_recorded - self.num_recorded
-        self.num_recorded, self.checked_at = num_recorded, time.monotonic()
-        self.suspect = self.suspect + dead if len(dead) > num_new else []
-        if len(self.suspect) >= self.min_dead:
-            common, count = next(iter(dead_letter_counts(self.suspect).items()))
-            raise JobFailedError(
-                f"{len(self.suspect)} events went to the dlq, more than the samples recorded in each "
-                f"{ALARM_WINDOW_S:.0f} s meanwhile (redis.dlq_alarm_min={self.min_dead}); most often ({count}): "
-                f"{common}. A version skew between services? See `jetroll dlq`")
 
 
 class Controller:
@@ -92,6 +64,7 @@ class Controller:
         self.book = MetricsBook(run_dir)
         self.sinks = MetricSinks(config, run_dir)
         self.ledger = Ledger(bus)
+        self.dead_letters = DeadLetters(bus)
         self.in_flight = InFlightIndex(bus)
         self.version = 0
         self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
@@ -103,7 +76,7 @@ class Controller:
     async def run(self) -> dict:
         started = time.time()
         # from the newest dead letter on: an earlier life's are not this window's
-        alarm = DeadLetterAlarm(self.bus, self.config.redis.dlq_alarm_min, await self.bus.last_dead_letter_id(),
+        alarm = DeadLetterAlarm(self.dead_letters, self.config.redis.dlq_alarm_min, await self.dead_letters.newest_id(),
                                 (await self.ledger.totals()).num_samples_recorded)
         await self._restore_admitted()
         while (latest := await self.store.latest()) is None:
@@ -154,7 +127,7 @@ class Controller:
         accuracy_after = await self._evaluate(self.version)
         memory = await self._report_memory(self.version)
         summary = self._summary(accuracy_before, accuracy_after, time.time() - started, await self.ledger.totals(),
-                                memory) | {"dead_letters": dead_letter_counts(await self.bus.read_dlq())}
+                                memory) | {"dead_letters": dead_letter_counts(await self.dead_letters.read())}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_curves(self.book, self.task_names, self.run_dir / "curves.png")
         self.sinks.close()

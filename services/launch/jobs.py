@@ -126,7 +126,7 @@ def print_dead_letters(job_id: str, redis_url: str | None, num_newest: int, *, a
     import asyncio
 
     from jetroll.shared.protocol.bus import RedisBus
-    from jetroll.shared.protocol.validate import dead_letter_counts
+    from jetroll.shared.protocol.dead_letters import DeadLetters, dead_letter_counts
 
     if not redis_url:
         print("jetroll: dlq needs --redis-url (or JETROLL_REDIS_URL)", file=sys.stderr)
@@ -135,7 +135,7 @@ def print_dead_letters(job_id: str, redis_url: str | None, num_newest: int, *, a
     async def read() -> list[dict[str, str | bytes]]:
         bus = RedisBus(redis_url, job_id)
         try:
-            return await bus.read_dlq()
+            return await DeadLetters(bus).read()
         finally:
             await bus.close()
 

@@ -29,7 +29,8 @@ from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError
 from jetroll.shared.config.job import JobConfig, validate_config
-from jetroll.shared.protocol.bus import RedisBus, RedisUnreachable, server_version
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.client import RedisUnreachable, server_version
 from jetroll.shared.protocol.replicas import ReplicaVersions
 
 log = logging.getLogger("jetroll.ray")

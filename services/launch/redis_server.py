@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 from jetroll.services.launch.procs import stop_processes
-from jetroll.shared.protocol.bus import RedisUnreachable, server_version
+from jetroll.shared.protocol.client import RedisUnreachable, server_version
 
 
 def find_redis_server() -> str:

@@ -13,6 +13,7 @@ import numpy as np
 
 from jetroll.services.reward.backends.base import RewardBackend, RewardCall
 from jetroll.shared.protocol.bus import Delivery, RedisBus
+from jetroll.shared.protocol.claims import FirstClaims
 from jetroll.shared.protocol.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import METRICS, SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
@@ -74,6 +75,7 @@ class RewardRouter:
         self.metrics_every_s = metrics_every_s
         self.forget_every_s = forget_every_s
         self.ledger = Ledger(bus)
+        self.seen = FirstClaims(bus, SEEN_REWARD)  # traj_id -> the raw entry that first carried it
         self.max_in_flight = sum(backend.concurrency for backend in self.backends.values()) + READ_AHEAD
         self.counts = {"scored": 0, "ok": 0, "timeout_attempts": 0, "error_attempts": 0, "throttled_attempts": 0,
                        "duplicates": 0, **{f"final_{status}": 0 for status in FINAL_STATUSES}}
@@ -133,7 +135,7 @@ class RewardRouter:
         for delivery in fresh:
             assert isinstance(delivery.event, TrajectoryEvent)  # `is_trajectory` dead-lettered anything else
             claims.setdefault(delivery.event.traj_id, delivery.entry_id)
-        owned = await self.bus.claim_first(SEEN_REWARD, claims)
+        owned = await self.seen.claim_first(claims)
         tasks = set()
         for delivery in fresh:
             assert isinstance(delivery.event, TrajectoryEvent)
@@ -165,10 +167,10 @@ class RewardRouter:
 
     async def _forget_recorded(self) -> None:
         """Release the dedupe claims of the trajectories whose groups are in the ledger."""
-        traj_ids = await self.bus.claimed(SEEN_REWARD)
+        traj_ids = await self.seen.claimed()
         group_of = {traj_id: traj_id.rpartition(":")[0] for traj_id in traj_ids}  # traj_id = {group_id}:{sample}
         recorded = await self.ledger.recorded(set(group_of.values()))
-        await self.bus.release(SEEN_REWARD, [traj_id for traj_id, group in group_of.items() if group in recorded])
+        await self.seen.release([traj_id for traj_id, group in group_of.items() if group in recorded])
 
     async def score(self, traj: TrajectoryEvent) -> ScoredEvent:
         """Score one trajectory with the router's retry rules; what is still not ok after them is final."""

@@ -1,4 +1,6 @@
-"""The event bus on Redis Streams (6.2 and 7.x): consumer groups, reclaim, dead letters, lag backpressure."""
+"""The event bus on Redis Streams (6.2 and 7.x): consumer groups, reclaim, dead letters, lag backpressure.
+
+Reading the dlq is `dead_letters.py`; dedupe on a hash is `claims.py`; the clients are `client.py`."""
 
 from __future__ import annotations
 
@@ -9,11 +11,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
+from jetroll.shared.protocol.client import as_str, connect, stream_entries
 from jetroll.shared.protocol.events import AnyEvent, Event, EventDecodeError, decode, encode
 from jetroll.shared.protocol.topology import DLQ, DLQ_KEPT, job_key
 
@@ -32,11 +32,6 @@ class Delivery:
     times_delivered: int
 
 
-def as_str(value: bytes | str) -> str:
-    """A reply field as text (RESP2 replies are bytes)."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
@@ -45,42 +40,6 @@ def _id_tuple(entry_id: str) -> tuple[int, int]:
 def _next_id(entry_id: str) -> str:
     ms, seq = _id_tuple(entry_id)
     return f"{ms}-{seq + 1}"
-
-
-def stream_entries(response: Any) -> list[tuple[Any, Any]]:
-    """Entries of the single stream in an XREAD/XREADGROUP reply (RESP2 list or RESP3 dict shape)."""
-    if not response:
-        return []
-    if isinstance(response, dict):
-        return next(iter(response.values()))
-    return response[0][1]
-
-
-# a command that loses its connection is retried for about 17 s (0.05 s doubling to 1 s, 20 times): long enough
-# for a restarted Redis to come back on its port; a re-sent write may apply twice, which every consumer dedups
-RECONNECT_RETRIES, RECONNECT_BASE_S, RECONNECT_CAP_S = 20, 0.05, 1.0
-
-
-def connect(url: str) -> aioredis.Redis:
-    """A client of jetroll's Redis; RESP2 pinned, so reply shapes are the same on every server version."""
-    retry = Retry(ExponentialBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), RECONNECT_RETRIES)
-    return aioredis.Redis.from_url(url, protocol=2, retry=retry)
-
-
-class RedisUnreachable(Exception):
-    """No Redis server answered at a URL."""
-
-
-def server_version(url: str, *, connect_timeout_s: float = 3.0, timeout_s: float = 3.0) -> str:
-    """PING the server at `url` and return its version; RedisUnreachable when it does not answer."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
-    try:
-        client.ping()
-        return str(client.info("server")["redis_version"])
-    except redis.RedisError as exc:
-        raise RedisUnreachable(f"cannot reach Redis at {url}: {exc}") from exc
-    finally:
-        client.close()
 
 
 class RedisBus:
@@ -270,35 +229,6 @@ class RedisBus:
             self._trimmed_at[stream] = now  # before the await: concurrent acks do not trim twice
             await self.trim_acked(stream)
 
-    async def claim_first(self, name: str, claims: dict[str, str]) -> set[str]:
-        """Dedupe on a key, for many members in two round trips: of `claims` (member -> entry id), the members whose
-        entry is the first to claim them in the hash `name` (a redelivery of that same entry included); any other
-        entry carrying a member is a copy."""
-        if not claims:
-            return set()
-        key = self.key(name)
-        members = list(claims)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for member in members:
-                pipe.hsetnx(key, member, claims[member])
-            is_new = await pipe.execute()
-        owned = {member for member, new in zip(members, is_new, strict=True) if new}
-        taken = [member for member in members if member not in owned]
-        if taken:
-            owners = await self.redis.hmget(key, taken)
-            owned |= {member for member, owner in zip(taken, owners, strict=True)
-                      if owner is not None and as_str(owner) == claims[member]}
-        return owned
-
-    async def claimed(self, name: str) -> list[str]:
-        """The members claimed in the hash `name`."""
-        return [as_str(member) for member in await self.redis.hkeys(self.key(name))]
-
-    async def release(self, name: str, members: list[str]) -> None:
-        """Forget the claims of `members` in the hash `name`: the next entry carrying one claims it anew."""
-        if members:
-            await self.redis.hdel(self.key(name), *members)
-
     async def keep_claimed(self, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
         """Reset the idle time of entries still being worked on (XCLAIM JUSTID: no delivery is counted),
         so XAUTOCLAIM never hands a live consumer's work to someone else, or back to itself."""
@@ -378,31 +308,6 @@ class RedisBus:
         if payload is not None:
             fields["payload"] = payload
         await self.redis.xadd(self.key(DLQ), fields, maxlen=DLQ_KEPT, approximate=True)
-
-    async def last_dead_letter_id(self) -> str:
-        """The id of the newest dlq record ("0-0" for none): where a reader of only new dead letters starts."""
-        newest = await self.redis.xrevrange(self.key(DLQ), count=1)
-        return as_str(newest[0][0]) if newest else "0-0"
-
-    async def dead_letters_after(self, last_id: str, count: int) -> tuple[str, list[dict[str, str]]]:
-        """Up to `count` dlq records after `last_id`, without payloads: the new last id, and their stream and reason.
-        (The dlq is capped, so its length stops counting; ids do not.)"""
-        entries = await self.redis.xrange(self.key(DLQ), min=f"({last_id}", count=count)
-        if not entries:
-            return last_id, []
-        records = [{name: as_str(fields.get(name.encode(), b"")) for name in ("stream", "reason")}
-                   for _, fields in entries]
-        return as_str(entries[-1][0]), records
-
-    async def read_dlq(self) -> list[dict[str, str | bytes]]:
-        """All dlq records, oldest first; `payload` stays bytes, other fields are str."""
-        out = []
-        for raw_id, fields in await self.redis.xrange(self.key(DLQ)):
-            record: dict[str, str | bytes] = {"dlq_id": as_str(raw_id)}
-            for name, value in fields.items():
-                record[as_str(name)] = value if name == b"payload" else as_str(value)
-            out.append(record)
-        return out
 
     async def trim_acked(self, stream: str) -> int:
         """XTRIM MINID to the oldest entry some group has not acked; returns the number of entries removed.

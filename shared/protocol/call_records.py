@@ -17,6 +17,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from jetroll.shared.protocol.client import connect, connect_sync
+
 INVOKING = b"invoking"
 
 
@@ -37,7 +39,7 @@ return kept
 class LambdaRecords:
     def __init__(self, redis_url: str, prefix: str, ttl_s: int) -> None:
         self.prefix, self.ttl_s = prefix, ttl_s
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(redis_url, protocol=2)
+        self.redis: aioredis.Redis = connect(redis_url)
 
     async def claim(self, traj_id: str) -> bytes | None:
         """Mark the call invoking; None when this is its first claim, else what the earlier one left: INVOKING
@@ -63,8 +65,8 @@ class CeleryReplies:
 
     def __init__(self, broker_url: str, prefix: str, wait_s: float) -> None:
         self.prefix, self.wait_s = prefix, wait_s
-        # redis-py's default 5 s socket timeout would cut BLPOP short and could drop a reply it already popped
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(broker_url, protocol=2, socket_timeout=wait_s + 5.0)
+        # a socket timeout shorter than the BLPOP would cut it short and could drop a reply it already popped
+        self.redis: aioredis.Redis = connect(broker_url, socket_timeout_s=wait_s + 5.0)
 
     def key(self, traj_id: str, attempt: int) -> str:
         return f"{self.prefix}:{traj_id}:{attempt}"
@@ -103,7 +105,7 @@ class CeleryRecords:
     def redis(self) -> redis.Redis:
         pid = os.getpid()
         if pid not in self._clients:
-            self._clients = {pid: redis.Redis.from_url(self.broker_url)}
+            self._clients = {pid: connect_sync(self.broker_url)}
         return self._clients[pid]
 
     def kept(self, key: str) -> dict[str, Any] | None:

@@ -20,7 +20,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError, WatchError
 
-from jetroll.shared.protocol.bus import FIELD, as_str, connect, stream_entries
+from jetroll.shared.protocol.bus import FIELD
+from jetroll.shared.protocol.client import as_str, connect, stream_entries
 from jetroll.shared.protocol.events import JobEvent, encode
 from jetroll.shared.protocol.topology import ACTIVE, JOBS, JOBS_DLQ, STATUS
 

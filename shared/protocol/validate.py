@@ -8,9 +8,7 @@ event's check first and dead-letters the entry with the reason it returns; None 
 from __future__ import annotations
 
 import math
-import re
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -66,17 +64,6 @@ class EventLimits:
                    max_new_tokens=max(rollout.sample_budget(get_task(t.name).max_new_tokens) for t in config.tasks),
                    max_version=config.trainer.max_steps, tasks=frozenset(t.name for t in config.tasks),
                    pools=frozenset(pool.name for pool in rollout.pools))
-
-
-def dead_letter_counts(records: Iterable[dict[str, str | bytes]]) -> dict[str, int]:
-    """Dead letters by stream and kind of reason, most first: a reason's numbers and quoted values are elided, so
-    `v_tok spans versions 7..9, outside 0..4` and `... 8..8, outside 0..4` count as one kind."""
-    counts: Counter[str] = Counter()
-    for record in records:
-        reason = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", str(record.get("reason", "")))
-        reason = re.sub(r"-?\d+(\.\d+)?", "N", reason)
-        counts[f"{record.get('stream', '?')}: {reason}"] += 1
-    return dict(counts.most_common())
 
 
 def check_group(event: GroupEvent, limits: EventLimits) -> str | None:

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from jetroll.shared.protocol.bus import FIELD, RedisBus
+from jetroll.shared.protocol.dead_letters import DeadLetters
 from jetroll.shared.protocol.events import MetricsEvent, decode, encode
 
 pytestmark = pytest.mark.integration
@@ -52,7 +53,7 @@ def test_publish_consume_ack_round_trip(any_redis_url: str) -> None:
         await bus.ack(STREAM, GROUP, *ids)
         assert await bus.lag(STREAM, GROUP) == 0
         assert await bus.consume(STREAM, GROUP, "c1", block_ms=50) == []
-        assert await bus.read_dlq() == []
+        assert await DeadLetters(bus).read() == []
 
     run_with_bus(any_redis_url, body)
 
@@ -80,7 +81,7 @@ def test_bad_entries_go_to_dlq_and_consumer_goes_on(any_redis_url: str) -> None:
         got = await bus.consume(STREAM, GROUP, "c1", count=10, block_ms=100)
         assert [(d.entry_id, d.event.step) for d in got] == [(good_id, 7)]
 
-        dlq = {rec["entry_id"]: rec for rec in await bus.read_dlq()}
+        dlq = {rec["entry_id"]: rec for rec in await DeadLetters(bus).read()}
         assert set(dlq) == {garbage_id, no_field_id, bad_schema_id, other_job_id}
         assert all(rec["stream"] == STREAM for rec in dlq.values())
         assert dlq[garbage_id]["payload"] == b"\xc1not msgpack"
@@ -129,7 +130,7 @@ def test_reclaim_skips_deleted_entries(any_redis_url: str) -> None:
         await asyncio.sleep(0.1)
         again = await bus.consume(STREAM, GROUP, "alive", count=10, block_ms=10)
         assert [d.entry_id for d in again] == [ids[1]]
-        assert await bus.read_dlq() == []
+        assert await DeadLetters(bus).read() == []
         assert await bus.lag(STREAM, GROUP) == 1  # the deleted entry no longer counts as pending
         await bus.ack(STREAM, GROUP, ids[1])
         assert await bus.lag(STREAM, GROUP) == 0
@@ -150,7 +151,7 @@ def test_entry_goes_to_dlq_after_max_deliveries(any_redis_url: str) -> None:
         # A third delivery would exceed max_deliveries=2: dead-lettered and acked; the next entry still flows.
         got = await bus.consume(STREAM, GROUP, "c3", block_ms=50)
         assert [d.entry_id for d in got] == [good_id]
-        (rec,) = await bus.read_dlq()
+        (rec,) = await DeadLetters(bus).read()
         assert rec["entry_id"] == entry_id and rec["reason"] == "max deliveries exceeded"
         assert decode(rec["payload"]) == metric(bus.job_id, 5)
         assert await bus.lag(STREAM, GROUP) == 1  # only good_id, pending
@@ -322,7 +323,7 @@ def test_tail_reads_in_order_and_dead_letters_garbage(any_redis_url: str) -> Non
         last_id, events = await bus.tail("metrics", block_ms=50)
         assert last_id == last
         assert [e.step for e in events] == [0, 1]
-        (rec,) = await bus.read_dlq()
+        (rec,) = await DeadLetters(bus).read()
         assert rec["entry_id"] == bad_id and rec["stream"] == "metrics"
 
         assert await bus.tail("metrics", last_id, block_ms=20) == (last_id, [])

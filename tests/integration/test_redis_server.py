@@ -13,7 +13,8 @@ import pytest
 from helpers import aof_path
 
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.shared.protocol.bus import RedisBus, connect
+from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.client import connect
 from jetroll.shared.protocol.events import MetricsEvent
 
 pytestmark = pytest.mark.integration

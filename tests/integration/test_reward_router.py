@@ -17,6 +17,7 @@ from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
 from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.dead_letters import DeadLetters
 from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent, decode
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.protocol.ledger import Ledger, Outcome
@@ -117,7 +118,7 @@ async def route(
 async def read_dlq(redis_url: str, job_id: str) -> list[dict[str, str | bytes]]:
     bus = RedisBus(redis_url, job_id)
     try:
-        return await bus.read_dlq()
+        return await DeadLetters(bus).read()
     finally:
         await bus.close()
 

@@ -1,4 +1,4 @@
-"""The controller's dead-letter alarm, on a real Redis: a run of windows in which more events went to the dlq than
+"""The dead-letter alarm, on a real Redis: a run of windows in which more events went to the dlq than
 samples were recorded fails the job once it holds `min_dead` dead letters; a window with progress ends the run."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from jetroll.services.controller.controller import DeadLetterAlarm
 from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.dead_letters import DeadLetterAlarm, DeadLetters
 
 
 async def dead_letter(bus: RedisBus, num: int, reason: str = "undecodable event: x") -> None:
@@ -31,7 +31,7 @@ def test_the_alarm_counts_dead_letters_over_windows_without_progress(
         bus = RedisBus(redis_url, f"a{uuid.uuid4().hex[:8]}")
         try:
             await dead_letter(bus, 7, "left by an earlier life")
-            alarm = DeadLetterAlarm(bus, 200, await bus.last_dead_letter_id(), num_recorded=1000)
+            alarm = DeadLetterAlarm(DeadLetters(bus), 200, await DeadLetters(bus).newest_id(), num_recorded=1000)
             recorded = 1000
             for window, (num_dead, num_samples) in enumerate(windows, start=1):
                 await dead_letter(bus, num_dead)

@@ -24,6 +24,7 @@ from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.dead_letters import DeadLetters
 from jetroll.shared.protocol.events import Array, GroupEvent, ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
@@ -230,7 +231,7 @@ def test_a_group_whose_missing_sample_is_invalid_is_dropped(
             await trainer.intake.read()
         outcomes = await Ledger(trainer.bus).outcomes()
         lag = await trainer.bus.lag(TRAJ_SCORED.name, TRAJ_SCORED.group)
-        dlq = await trainer.bus.read_dlq()
+        dlq = await DeadLetters(trainer.bus).read()
         await trainer.bus.close()
         return outcomes, dlq, lag
 

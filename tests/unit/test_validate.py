@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from jetroll.shared.config.job import validate_config
+from jetroll.shared.protocol.dead_letters import dead_letter_counts
 from jetroll.shared.protocol.events import (
     Array,
     GroupEvent,
@@ -24,7 +25,6 @@ from jetroll.shared.protocol.validate import (
     check_scored,
     check_trajectory,
     check_weights,
-    dead_letter_counts,
     expecting,
 )
 
