@@ -14,15 +14,12 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
-from jetroll.services.launch.entrypoints import prepare_process, service_main
-from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError, WarmStartError
+from jetroll.services.bench.cli import add_bench_parsers, run_bench
+from jetroll.services.launch.entrypoints import SERVICES, prepare_process, service_main, until_sigterm, watch_main
+from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError, WarmStartError, comma_ints
 from jetroll.shared.config.job import load_config, validate_config
-
-SERVICES = ("controller", "rollout", "reward", "trainer")
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = False,
@@ -116,90 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "rollout":
             svc.add_argument("--pool", help="the rollout pool to serve (default: the first in rollout.pools)")
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    engine = bench_sub.add_parser("engine", help="jetroll engine vs transformers generate() tokens/s")
-    engine.add_argument("--json", action="store_true", help="print one JSON object")
-    engine.add_argument("--batch-sizes", default="1,16,64")
-    engine.add_argument("--new-tokens", type=int, default=256)
-    engine.add_argument("--repeats", type=int, default=3)
-    engine.add_argument("--threads", type=int, default=2)
-    engine.add_argument("--no-compile", action="store_true", help="eager decode (skips torch.compile)")
-    engine.add_argument("--no-vllm", action="store_true", help="no vLLM column (default: one if vLLM is installed)")
-    engine.add_argument("--swap-shapes", default="tiny,wide", help="models whose swap cost is timed (with vLLM): "
-                        "tiny (the bench's) and wide (hidden 1024, 8 layers)")
-    store = bench_sub.add_parser("store", help="weight store publish+fetch vs the essential work (local, S3)")
-    store.add_argument("--json", action="store_true", help="print one JSON object")
-    store.add_argument("--synthetic-mb", type=int, default=200, help="size of the synthetic checkpoint's shard")
-    store.add_argument("--repeats", type=int, default=5)
-    store.add_argument("--multipart-threshold-mib", type=int, help="S3 files this big go multipart (default: store's)")
-    bench_async = bench_sub.add_parser("async", help="async (eta 0, 1, 2, 4) vs sync speedup at cv 0.5, 1, 2 on the "
-                                       "timing models, through the real services")
-    bench_async.add_argument("--json", action="store_true", help="print one JSON object")
-    bench_async.add_argument("--quick", action="store_true", help="one small setting (cv 1, eta 2): a smoke test")
-    bench_async.add_argument("--seed", type=int, default=0, help="seed of the length draws")
-    bench_async.add_argument("--run-dir", type=Path, help="keep every setting's run here (default: a temp dir)")
-    reward = bench_sub.add_parser("reward", help="reward backends local | celery | lambda: rewards/s, p50/p99 latency")
-    reward.add_argument("--json", action="store_true", help="print one JSON object")
-    reward.add_argument("--concurrency", default="1,8,32", help="calls kept in flight, comma-separated")
-    reward.add_argument("--calls", type=int, default=400, help="calls per backend and concurrency level")
-    reward.add_argument("--workers", type=int, default=4, help="executors per backend (processes, environments)")
-    reward.add_argument("--backends", default=None,
-                        help="comma-separated (default: local,celery, and lambda when --lambda-endpoint is given)")
-    reward.add_argument("--lambda-endpoint", default=None,
-                        help="a Lambda Invoke API the lambda backend calls (AWS's, or a local one)")
-    mismatch = bench_sub.add_parser("mismatch", help="training-inference log-prob mismatch by precision mode and "
-                                    "rollout length (exact backend)")
-    mismatch.add_argument("--json", action="store_true", help="print one JSON object")
-    mismatch.add_argument("--lengths", default="128,256,512,1024,2048", help="completion lengths, comma-separated")
-    mismatch.add_argument("--samples", type=int, default=8, help="sampled completions, scored by every mode")
-    mismatch.add_argument("--threads", type=int, default=1)
-    mismatch.add_argument("--model", help="an HF-format model dir instead of the random tiny model")
-    learning = bench_sub.add_parser("learning", help="the default job per job seed x kernel variant, each from a "
-                                    "cold model cache: base, final and lowest accuracy, wall time (resumable)")
-    learning.add_argument("--json", action="store_true", help="print one JSON object")
-    learning.add_argument("--seeds", default="3", help="job seeds (and warm-start seeds) per kernel: a count N "
-                          "(seeds 0 .. N-1) or a comma-separated list (3,4; one seed: 3,)")
-    learning.add_argument("--kernels", default="avx2,native",
-                          help="kernel variants, comma-separated, in run order: avx2, native")
-    learning.add_argument("--run-dir", type=Path, help="finished cells here are kept and not run again (default "
-                          "~/.cache/jetroll/bench/learning)")
-    learning.add_argument("--max-steps", type=int, help="override trainer.max_steps (a short proxy or a smoke test)")
-    learning.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override a field of configs/arithmetic.yaml in every cell")
-    chaos = bench_sub.add_parser("chaos", help="the default async job under a seeded schedule of faults (kill -9 of "
-                                 "every service, the trainer twice, a Redis kill, an S3 outage): recovery times and "
-                                 "an audit of admitted, trained once or twice, dropped and lost groups (resumable)")
-    chaos.add_argument("--json", action="store_true", help="print one JSON object")
-    chaos.add_argument("--seed", type=int, default=0, help="the job's seed, and the fault schedule's")
-    chaos.add_argument("--run-dir", type=Path, help="a finished run here is kept and not run again (default "
-                       "~/.cache/jetroll/bench/chaos)")
-    chaos.add_argument("--max-steps", type=int, help="override trainer.max_steps (a smoke test)")
-    chaos.add_argument("--outage-s", type=float, default=30.0, help="how long S3 stays unreachable")
-    chaos.add_argument("--fault-free", type=int, default=0, metavar="N", help="also N runs of the same job without "
-                       "faults (each resumable), and the faulted run's distance from their mean accuracy")
-    chaos.add_argument("--s3-endpoint", help="an S3-compatible endpoint for the job's store (default: a moto server "
-                       "started by the bench, when moto is installed)")
-    chaos.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field of configs/arithmetic.yaml")
-    shape = bench_sub.add_parser("shape", help="a job at Qwen2.5-0.5B's exact shape with random weights "
-                                 "(configs/bench_qwen2.5_0.5b.yaml, 3 steps): peak RSS per service, step times")
-    shape.add_argument("--json", action="store_true", help="print one JSON object")
-    shape.add_argument("--layers", type=int, help="decoder layers (default: the shape's 24; CI runs 2)")
-    shape.add_argument("--max-steps", type=int, help="override trainer.max_steps")
-    shape.add_argument("--run-dir", type=Path, help="the run, its model cache and its log (default: a temp dir)")
-    shape.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field of configs/bench_qwen2.5_0.5b.yaml")
-    precision = bench_sub.add_parser("precision", help="RL runs of bf16, fp8_unified and fp8_rollout_only uncorrected, "
-                                     "and of fp8_rollout_only with token_tis and icepop, per seed: held-out scores and "
-                                     "reward curves (resumable)")
-    precision.add_argument("--json", action="store_true", help="print one JSON object")
-    precision.add_argument("--seeds", type=int, default=3, help="seeds per arm")
-    precision.add_argument("--run-dir", type=Path, default=Path("runs/bench-precision"),
-                           help="finished runs here are kept and not run again")
-    precision.add_argument("--max-steps", type=int, help="override the pinned step count (smoke tests)")
-    precision.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                           help="override a field of configs/precision_bench.yaml (smoke tests)")
+    add_bench_parsers(sub)
     return parser
 
 
@@ -245,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             init_main(load_config(args.config, args.overrides).model, force=args.force)
             return 0
         if args.command == "bench":
-            return _bench(args)
+            return run_bench(args)
         if args.command == "eval":
             return _eval(args)
         if args.command == "config":
@@ -307,13 +221,6 @@ def _submit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of integers") from None
-
-
 def _config_reference(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -333,7 +240,7 @@ def _config_reference(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def _eval(args: argparse.Namespace) -> int:
     from jetroll.shared.engine.evaluate import score_run
 
-    versions = None if args.versions is None else list(_ints(args.versions, "--versions"))
+    versions = None if args.versions is None else list(comma_ints(args.versions, "--versions"))
     rows = asyncio.run(score_run(args.run_dir, versions, args.num_problems))
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "rows": rows}))
@@ -382,53 +289,13 @@ def _celery_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     os.execvpe(cmd[0], cmd, {**os.environ, **worker_env(reward, broker_url)})
 
 
-def _bench(args: argparse.Namespace) -> int:
-    """Run one benchmark (its module imported late), then print its JSON object or its table."""
-    import importlib
-
-    from jetroll.services.bench.versions import library_versions
-
-    runs = {
-        "learning": lambda m: m.run_learning_bench(args.seeds, args.kernels, args.run_dir, args.overrides,
-                                                   args.max_steps),
-        "chaos": lambda m: m.run_chaos_bench(args.seed, args.run_dir, args.overrides, args.max_steps, args.outage_s,
-                                             args.s3_endpoint, args.fault_free),
-        "precision": lambda m: m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides),
-        "async": lambda m: m.run_async_bench(quick=args.quick, seed=args.seed, run_dir=args.run_dir),
-        "mismatch": lambda m: m.run_mismatch_bench(lengths=_ints(args.lengths, "--lengths"),
-                                                   num_samples=args.samples, threads=args.threads,
-                                                   model_path=args.model),
-        "reward": lambda m: m.run_reward_bench(concurrency=_ints(args.concurrency, "--concurrency"),
-                                               num_calls=args.calls, workers=args.workers,
-                                               lambda_endpoint=args.lambda_endpoint,
-                                               backends=tuple(args.backends.split(",")) if args.backends else None),
-        "store": lambda m: m.run_store_bench(synthetic_mb=args.synthetic_mb, repeats=args.repeats,
-                                             multipart_threshold_mib=args.multipart_threshold_mib),
-        "shape": lambda m: m.run_shape_bench(args.layers, args.max_steps, args.run_dir, args.overrides),
-        "engine": lambda m: m.run_engine_bench(batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
-                                               new_tokens=args.new_tokens,
-                                               repeats=args.repeats, threads=args.threads,
-                                               compile=not args.no_compile,
-                                               include_vllm=False if args.no_vllm else None,
-                                               swap_shapes=tuple(args.swap_shapes.split(","))),
-    }
-    module = importlib.import_module(f"jetroll.services.bench.{'async_' if args.bench == 'async' else args.bench}")
-    result = runs[args.bench](module)
-    result.setdefault("versions", library_versions())
-    if args.json:
-        print(json.dumps(result))
-    else:
-        module.print_table(result)
-    return 0
-
-
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.redis_url:
         parser.error(f"{args.command} needs --redis-url (or JETROLL_REDIS_URL)")
     if args.watch:
         if args.run_dir is not None:
             parser.error("--run-dir goes with --config; with --watch each job runs in --runs-dir/<job_id>")
-        main = _watch(args)
+        main = watch_main(args.command, args.redis_url, args.runs_dir, args.consumer, getattr(args, "pool", None))
     else:
         if args.run_dir is None:
             parser.error("--config needs --run-dir")
@@ -437,40 +304,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         main = service_main(args.command, config, args.redis_url, args.consumer or args.command, args.run_dir,
                              getattr(args, "pool", None))
     try:
-        asyncio.run(_until_sigterm(main, args.heartbeat_file))
+        asyncio.run(until_sigterm(main, args.heartbeat_file))
     except asyncio.CancelledError:
         return 143
     return 0
-
-
-async def _until_sigterm(main: Coroutine[Any, Any, object], heartbeat_file: Path | None) -> None:
-    """Run `main` in this task, which SIGTERM cancels (a clean stop); touch the heartbeat file meanwhile."""
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    beat = None
-    if heartbeat_file is not None:
-        from jetroll.services.launch.watch import heartbeat
-
-        beat = asyncio.create_task(heartbeat(heartbeat_file))
-    try:
-        await main
-    finally:
-        if beat is not None:
-            beat.cancel()
-
-
-async def _watch(args: argparse.Namespace) -> None:
-    """Each job's service runs as `jetroll <service> --config ...` in a process of its own (launch/watch.py)."""
-    from jetroll.services.launch import watch
-
-    pool = getattr(args, "pool", None)
-    argv = watch.service_argv(args.redis_url, ["--pool", pool] if pool else [])
-    if args.command == "controller":  # a fixed consumer, so a restarted watcher finds its unacked job
-        await watch.watch_jobs(args.redis_url, args.runs_dir, args.consumer or "controller", argv)
-    else:
-        consumer = args.consumer or watch.default_consumer(args.command)
-        await watch.watch_service(args.command, args.redis_url, args.runs_dir, consumer, argv)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
+import signal
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from jetroll.shared.config.job import JobConfig
 
@@ -62,3 +66,32 @@ async def service_main(name: str, config: JobConfig, redis_url: str, consumer: s
                                                       "rollout_tokens_per_s", "mismatch_mean_abs_logprob")}))
     finally:
         await bus.close()
+
+
+async def until_sigterm(main: Coroutine[Any, Any, object], heartbeat_file: Path | None) -> None:
+    """Run `main` in this task, which SIGTERM cancels (a clean stop); touch the heartbeat file meanwhile."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    beat = None
+    if heartbeat_file is not None:
+        from jetroll.services.launch.watch import heartbeat
+
+        beat = asyncio.create_task(heartbeat(heartbeat_file))
+    try:
+        await main
+    finally:
+        if beat is not None:
+            beat.cancel()
+
+
+async def watch_main(service: str, redis_url: str, runs_dir: Path, consumer: str | None, pool: str | None) -> None:
+    """`jetroll <service> --watch`: each job's service runs as `jetroll <service> --config ...` in a process of its
+    own (launch/watch.py)."""
+    from jetroll.services.launch import watch
+
+    argv = watch.service_argv(redis_url, ["--pool", pool] if pool else [])
+    if service == "controller":  # a fixed consumer, so a restarted watcher finds its unacked job
+        await watch.watch_jobs(redis_url, runs_dir, consumer or "controller", argv)
+    else:
+        await watch.watch_service(service, redis_url, runs_dir, consumer or watch.default_consumer(service), argv)

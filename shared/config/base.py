@@ -20,5 +20,13 @@ class JobFailedError(RuntimeError):
     """A service found that the job cannot succeed (e.g. the dead-letter alarm); it exits with JOB_FAILED_EXIT."""
 
 
+def comma_ints(text: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of integers given to `option` (a CLI flag), or a ConfigError naming it."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
