@@ -33,7 +33,7 @@ import torch
 from jetroll.services.launch.procs import stop_processes
 from jetroll.shared.config.job import load_config
 from jetroll.shared.config.store import StoreConfig
-from jetroll.shared.store.base import CHUNK_BYTES
+from jetroll.shared.store.files import CHUNK_BYTES
 from jetroll.shared.store.local import LocalWeightStore
 from jetroll.shared.store.s3 import S3WeightStore
 

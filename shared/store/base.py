@@ -1,45 +1,32 @@
-"""The weight store's layout, manifests and interface, and the helpers both backends use.
+"""The weight store's layout, manifests and interface.
 
 Two backends share one layout, a local directory (local.py) and S3 (s3.py, any S3-compatible server, through
 aioboto3): `{root}/{job_id}/weights/v{version:08d}/`, `{root}/{job_id}/weights/LATEST`,
 `{root}/{job_id}/checkpoints/step{N}/` (the trainer's state after step N), and
 `{root}/{job_id}/steps/v{N}/manifest.json` (what step N trained: an append-only record, never retained away).
+Files are hashed, copied, verified and written by files.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
 import time
-import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Iterable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
-from botocore.exceptions import ClientError
+
+from jetroll.shared.store.files import MANIFEST, Shard, WeightStoreError, tree_sha256
 
 log = logging.getLogger("jetroll.store")
 
-MANIFEST = "manifest.json"
 LATEST = "LATEST"
-CHUNK_BYTES = 1 << 20
 STORE_TYPES = ("local", "s3")
 T = TypeVar("T")
-
-
-class WeightStoreError(RuntimeError):
-    """A version or checkpoint that cannot be published or trusted; readers keep serving the old one."""
-
-
-class Shard(msgspec.Struct, frozen=True):
-    key: str  # path relative to the version dir, '/'-separated
-    sha256: str
-    size_bytes: int
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -278,68 +265,6 @@ class WeightStore(ABC):
         return None
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def tree_sha256(src_dir: Path) -> dict[str, str]:
-    """sha256 of each file a publish of `src_dir` would upload, by its key."""
-    return {src.relative_to(src_dir).as_posix(): sha256_of(src) for src in source_files(src_dir)}
-
-
-def source_files(src_dir: Path) -> list[Path]:
-    if not src_dir.is_dir():
-        raise WeightStoreError(f"source dir {src_dir} does not exist")
-    files = sorted(p for p in src_dir.rglob("*") if p.is_file() and p.relative_to(src_dir).as_posix() != MANIFEST)
-    if not files:
-        raise WeightStoreError(f"source dir {src_dir} holds no files")
-    return files
-
-
-def copy_hashed(src: Path, dst: Path) -> tuple[str, int]:
-    """Copy one file, hashing the bytes as they are written, and fsync it; returns (sha256, size_bytes)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    size = 0
-    with src.open("rb") as fin, dst.open("wb") as fout:
-        while chunk := fin.read(CHUNK_BYTES):
-            digest.update(chunk)
-            fout.write(chunk)
-            size += len(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
-    return digest.hexdigest(), size
-
-
-def copy_tree(src_dir: Path, dst_dir: Path) -> list[Shard]:
-    shards = []
-    for src in source_files(src_dir):
-        key = src.relative_to(src_dir).as_posix()
-        sha256, size_bytes = copy_hashed(src, dst_dir / key)
-        shards.append(Shard(key=key, sha256=sha256, size_bytes=size_bytes))
-    return shards
-
-
-def check_shard(shard: Shard, size_bytes: int, sha256: str, what: str) -> None:
-    if size_bytes != shard.size_bytes:
-        raise WeightStoreError(f"{what}: file {shard.key} has {size_bytes} bytes, manifest says {shard.size_bytes}")
-    if sha256 != shard.sha256:
-        raise WeightStoreError(f"{what}: file {shard.key} fails its sha256 check")
-
-
-def verify_files(root: Path, shards: list[Shard], what: str) -> None:
-    for shard in shards:
-        path = root / shard.key
-        if not path.is_file():
-            raise WeightStoreError(f"{what}: file {shard.key} is missing")
-        size = path.stat().st_size
-        check_shard(shard, size, sha256_of(path) if size == shard.size_bytes else "", what)
-
-
 def encode_manifest(manifest: Manifest | CheckpointManifest) -> bytes:
     return msgspec.json.format(msgspec.json.encode(manifest))
 
@@ -364,29 +289,6 @@ def retention_candidates(versions: list[int], keep_last: int, latest: int | None
     return [v for v in versions if v not in keep]
 
 
-def write_create_only(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all, failing with FileExistsError if it exists (temp file + hard link)."""
-    _write_through_temp(path, data, os.link)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    _write_through_temp(path, data, os.replace)
-
-
-def _write_through_temp(path: Path, data: bytes, place: Callable[[Path, Path], None]) -> None:
-    """Write and fsync a temp file beside `path`, then `place` it there; the temp file never stays behind, even
-    when the disk is full."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        place(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
     """Like asyncio.gather, but the first failure cancels the rest, so nothing writes after it propagates."""
     tasks = [asyncio.ensure_future(aw) for aw in aws]
@@ -397,19 +299,3 @@ async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-# 412 from a condition that no longer holds, 409 when S3 sees two conditional writes race, 404 for an IfMatch on a
-# key gone meanwhile: each means "someone else moved first", never a fault.
-CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "412", "409"}
-MISSING_CODES = {"NoSuchKey", "404"}
-
-
-def read_part(f: BinaryIO, size_bytes: int, digest: Any) -> bytes:
-    chunk = f.read(size_bytes)
-    digest.update(chunk)
-    return chunk

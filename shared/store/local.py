@@ -10,18 +10,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from jetroll.shared.store.base import (
-    LATEST,
-    MANIFEST,
-    Shard,
-    WeightStore,
-    copy_tree,
-    parse_number,
-    verify_files,
-    version_name,
-    write_atomic,
-    write_create_only,
-)
+from jetroll.shared.store.base import LATEST, WeightStore, parse_number, version_name
+from jetroll.shared.store.files import MANIFEST, Shard, copy_tree, verify_files, write_atomic, write_create_only
 
 
 class LocalWeightStore(WeightStore):

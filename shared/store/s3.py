@@ -9,28 +9,36 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from jetroll.shared.store.base import (
+from jetroll.shared.store.base import LATEST, WeightStore, gather_all, log, parse_number
+from jetroll.shared.store.files import (
     CHUNK_BYTES,
-    CONFLICT_CODES,
-    LATEST,
     MANIFEST,
-    MISSING_CODES,
     Shard,
-    WeightStore,
     WeightStoreError,
     check_shard,
-    error_code,
-    gather_all,
-    log,
-    parse_number,
-    read_part,
     source_files,
     verify_files,
 )
+
+
+def error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+# 412 from a condition that no longer holds, 409 when S3 sees two conditional writes race, 404 for an IfMatch on a
+# key gone meanwhile: each means "someone else moved first", never a fault.
+CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "412", "409"}
+MISSING_CODES = {"NoSuchKey", "404"}
+
+
+def read_part(f: BinaryIO, size_bytes: int, digest: Any) -> bytes:
+    chunk = f.read(size_bytes)
+    digest.update(chunk)
+    return chunk
 
 
 class S3WeightStore(WeightStore):
