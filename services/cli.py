@@ -15,11 +15,13 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from jetroll.services.bench.cli import add_bench_parsers, run_bench
 from jetroll.services.launch.entrypoints import SERVICES, prepare_process, service_main, until_sigterm, watch_main
-from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError, WarmStartError, comma_ints
+from jetroll.shared.config.base import comma_ints
 from jetroll.shared.config.job import load_config, validate_config
+from jetroll.shared.errors import JOB_FAILED_EXIT, ConfigError, JobFailedError, WarmStartError
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = False,
@@ -93,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(env JETROLL_REDIS_URL)")
     celery.add_argument("--node", help="worker node name (default jetroll@<hostname>)")
 
+    _add_service_parsers(sub, redis_url)
+    add_bench_parsers(sub)
+    return parser
+
+
+def _add_service_parsers(sub: Any, redis_url: str | None) -> None:
+    """`jetroll controller|rollout|reward|trainer`: one job's service (--config), or watch mode (--watch)."""
     for name in SERVICES:
         svc = sub.add_parser(name, help=f"run the {name} service (the launcher starts these; --watch: event-triggered "
                              "jobs)")
@@ -112,9 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="touch this file every few seconds (container healthchecks; env JETROLL_HEARTBEAT_FILE)")
         if name == "rollout":
             svc.add_argument("--pool", help="the rollout pool to serve (default: the first in rollout.pools)")
-
-    add_bench_parsers(sub)
-    return parser
 
 
 def use_inductor_cache_of_this_cpu() -> None:

@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from safetensors.torch import load_file
 
-from jetroll.shared.config.base import WarmStartError
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.engine.evaluate import accuracy_on
+from jetroll.shared.errors import WarmStartError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_state, save_pretrained

@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 from jetroll.services.bench.processes import processes
 from jetroll.services.bench.store import moto_server
 from jetroll.services.bench.tcp_proxy import TcpProxy
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.store import setup_store
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"

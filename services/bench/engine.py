@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from jetroll.shared.numerics import Precision
 
 SEED = 0
 
@@ -148,7 +148,7 @@ def run_engine_bench(
         if include_vllm:
             from jetroll.shared.engine.vllm import VllmEngine, import_vllm
 
-            vllm_version = import_vllm().__version__
+            import_vllm()
             # one engine for every batch size: vLLM schedules what it is given, up to max_num_seqs
             vllm_engine = VllmEngine(directory / "tiny", fp32_model.args, tokenizer.vocab_size, "fp32",
                                      max_batch=max(batch_sizes), max_len=prompt_len + new_tokens, seed=SEED,
@@ -170,83 +170,105 @@ def run_engine_bench(
                     fp8_model, prompts, new_tokens, tokenizer.eos_id, compile)
             if vllm_engine is not None:
                 runners["vllm"], compile_s["vllm"] = _generate_runner(vllm_engine, prompts, new_tokens), 0.0
-            warmup_s = {name: _timed(run) for name, run in runners.items()}
-            runs_s: dict[str, list[float]] = {name: [] for name in runners}
-            for _ in range(repeats):  # interleaved, so machine noise hits every side alike
-                for name, run in runners.items():
-                    runs_s[name].append(_timed(run))
-            num_tokens = bsz * new_tokens
-            tps = {name: num_tokens / statistics.median(times) for name, times in runs_s.items()}
-            row: dict[str, Any] = {
-                "batch_size": bsz,
-                "hf_tokens_per_s": tps["hf"],
-                "jetroll_fp32_tokens_per_s": tps["jetroll_fp32"],
-                "jetroll_fp8_tokens_per_s": tps.get("jetroll_fp8"),
-                "speedup_fp32_vs_hf": tps["jetroll_fp32"] / tps["hf"],
-                "fp8_over_fp32": tps["jetroll_fp8"] / tps["jetroll_fp32"] if "jetroll_fp8" in tps else None,
-                "vllm_tokens_per_s": tps.get("vllm"),
-                "jetroll_over_vllm": tps["jetroll_fp32"] / tps["vllm"] if "vllm" in tps else None,
-                "compile_s": compile_s,
-                "warmup_s": warmup_s,
-                "runs_s": runs_s,
-            }
-            rows.append(row)
-        swap: dict[str, dict[str, Any]] = {}
-        if vllm_engine is not None:
-            from jetroll.shared.engine.engine import Engine
+            rows.append(_batch_row(bsz, bsz * new_tokens, runners, compile_s, repeats))
+        swap = {} if vllm_engine is None else _swap_costs(swap_shapes, fp32_model.args, tokenizer, directory,
+                                                          prompt_len, repeats, threads)
+    return {
+        "config": _bench_config(prompt_len, new_tokens, threads, repeats, compile, vllm_engine, transformers),
+        "rows": rows,
+        "swap": swap,
+        "summary": _summary(rows, include_fp8),
+    }
 
-            shapes = {"tiny": fp32_model.args, "wide": _wide_args(tokenizer.vocab_size)}
-            for shape, args in ((shape, shapes[shape]) for shape in swap_shapes):
-                models = [CausalLM(args).eval() for _ in range(2)]
-                for i, model in enumerate(models):
-                    save_pretrained(model, tokenizer, directory / f"{shape}{i}")
-                states = [load_file(str(directory / f"{shape}{i}" / "model.safetensors")) for i in range(2)]
-                max_len = prompt_len + 512
-                swap[shape] = {
-                    "params": sum(p.numel() for p in models[0].parameters()),
-                    "jetroll": _swap_cost(lambda m=models[0], n=max_len: Engine(m, tokenizer.eos_id, 16, n), states,
-                                          prompt_len, repeats),
-                    "vllm": _swap_cost(lambda d=directory / f"{shape}0", a=args, n=max_len: VllmEngine(
-                        d, a, tokenizer.vocab_size, "fp32", 16, n, threads=threads), states, prompt_len, repeats),
-                }
+
+def _bench_config(prompt_len: int, new_tokens: int, threads: int, repeats: int, compile: bool, vllm_engine: Any,
+                  transformers: Any) -> dict[str, Any]:
+    """What the bench ran, for its JSON."""
+    vllm_version = importlib.import_module("vllm").__version__ if vllm_engine is not None else None
+    return {
+        "model": "qwen2 hidden=256 layers=4 heads=4 kv_heads=2 intermediate=768, fp32, random init",
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "threads": threads,
+        "repeats": repeats,
+        "statistic": "median of repeats after one warm-up run; tokens/s counts new tokens only, prefill included",
+        "hf": "Qwen2ForCausalLM.generate(do_sample=True, top_k=0, top_p=1, temperature=1, "
+              "min_new_tokens=max_new_tokens) under inference_mode; sdpa attention, DynamicCache",
+        "jetroll": "Engine.generate, temperature=1, top_p=1, ignore_eos; "
+                   + ("decode under torch.compile, attention through the CPU decode-attention kernel "
+                      "(compile_s: once per engine, not in runs_s)" if compile
+                      else "eager decode (warm-up = first run)"),
+        "vllm": (f"vllm {vllm_version} LLMEngine in this process (VllmEngine), fp32, {threads} torch "
+                 f"threads, cores not bound, {'torch.compile' if compile else 'eager'}; one engine for every "
+                 f"batch size (start-up {vllm_engine.compile_s:.1f} s, outside the runs)") if vllm_engine
+                else "not installed: no vLLM column",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
+
+
+def _batch_row(bsz: int, num_tokens: int, runners: dict[str, Callable[[], None]], compile_s: dict[str, float],
+               repeats: int) -> dict[str, Any]:
+    """Time every runner of one batch size: a warm-up each, then `repeats` rounds, interleaved."""
+    warmup_s = {name: _timed(run) for name, run in runners.items()}
+    runs_s: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):  # interleaved, so machine noise hits every side alike
+        for name, run in runners.items():
+            runs_s[name].append(_timed(run))
+    tps = {name: num_tokens / statistics.median(times) for name, times in runs_s.items()}
+    return {
+        "batch_size": bsz,
+        "hf_tokens_per_s": tps["hf"],
+        "jetroll_fp32_tokens_per_s": tps["jetroll_fp32"],
+        "jetroll_fp8_tokens_per_s": tps.get("jetroll_fp8"),
+        "speedup_fp32_vs_hf": tps["jetroll_fp32"] / tps["hf"],
+        "fp8_over_fp32": tps["jetroll_fp8"] / tps["jetroll_fp32"] if "jetroll_fp8" in tps else None,
+        "vllm_tokens_per_s": tps.get("vllm"),
+        "jetroll_over_vllm": tps["jetroll_fp32"] / tps["vllm"] if "vllm" in tps else None,
+        "compile_s": compile_s,
+        "warmup_s": warmup_s,
+        "runs_s": runs_s,
+    }
+
+
+def _swap_costs(swap_shapes: tuple[str, ...], tiny_args: ModelArgs, tokenizer: Any, directory: Path, prompt_len: int,
+                repeats: int, threads: int) -> dict[str, dict[str, Any]]:
+    """The swap cost of each shape on the jetroll engine and on vLLM."""
+    from jetroll.shared.engine.engine import Engine
+    from jetroll.shared.engine.vllm import VllmEngine
+
+    shapes = {"tiny": tiny_args, "wide": _wide_args(tokenizer.vocab_size)}
+    swap = {}
+    for shape, args in ((shape, shapes[shape]) for shape in swap_shapes):
+        models = [CausalLM(args).eval() for _ in range(2)]
+        for i, model in enumerate(models):
+            save_pretrained(model, tokenizer, directory / f"{shape}{i}")
+        states = [load_file(str(directory / f"{shape}{i}" / "model.safetensors")) for i in range(2)]
+        max_len = prompt_len + 512
+        swap[shape] = {
+            "params": sum(p.numel() for p in models[0].parameters()),
+            "jetroll": _swap_cost(lambda m=models[0], n=max_len: Engine(m, tokenizer.eos_id, 16, n), states,
+                                  prompt_len, repeats),
+            "vllm": _swap_cost(lambda d=directory / f"{shape}0", a=args, n=max_len: VllmEngine(
+                d, a, tokenizer.vocab_size, "fp32", 16, n, threads=threads), states, prompt_len, repeats),
+        }
+    return swap
+
+
+def _summary(rows: list[dict[str, Any]], include_fp8: bool) -> dict[str, Any]:
     by_batch = {row["batch_size"]: row for row in rows}
-    fp8_basis = 64 if 64 in by_batch else None
-    if include_fp8 and fp8_basis is not None:
+    if include_fp8 and 64 in by_batch:
         fp8_over_fp32 = by_batch[64]["fp8_over_fp32"]
     elif include_fp8:
         fp8_over_fp32 = statistics.mean(row["fp8_over_fp32"] for row in rows)
     else:
         fp8_over_fp32 = None
     return {
-        "config": {
-            "model": "qwen2 hidden=256 layers=4 heads=4 kv_heads=2 intermediate=768, fp32, random init",
-            "prompt_len": prompt_len,
-            "new_tokens": new_tokens,
-            "threads": threads,
-            "repeats": repeats,
-            "statistic": "median of repeats after one warm-up run; tokens/s counts new tokens only, prefill included",
-            "hf": "Qwen2ForCausalLM.generate(do_sample=True, top_k=0, top_p=1, temperature=1, "
-                  "min_new_tokens=max_new_tokens) under inference_mode; sdpa attention, DynamicCache",
-            "jetroll": "Engine.generate, temperature=1, top_p=1, ignore_eos; "
-                       + ("decode under torch.compile, attention through the CPU decode-attention kernel "
-                          "(compile_s: once per engine, not in runs_s)" if compile
-                          else "eager decode (warm-up = first run)"),
-            "vllm": (f"vllm {vllm_version} LLMEngine in this process (VllmEngine), fp32, {threads} torch "
-                     f"threads, cores not bound, {'torch.compile' if compile else 'eager'}; one engine for every "
-                     f"batch size (start-up {vllm_engine.compile_s:.1f} s, outside the runs)") if vllm_engine
-                    else "not installed: no vLLM column",
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "cpu": platform.processor() or platform.machine(),
-        },
-        "rows": rows,
-        "swap": swap,
-        "summary": {
-            "speedup_b1": by_batch[1]["speedup_fp32_vs_hf"] if 1 in by_batch else None,
-            "speedup_b64": by_batch[64]["speedup_fp32_vs_hf"] if 64 in by_batch else None,
-            "fp8_over_fp32": fp8_over_fp32,
-            "fp8_over_fp32_basis": "batch 64" if fp8_basis else ("mean over batch sizes" if include_fp8 else None),
-        },
+        "speedup_b1": by_batch[1]["speedup_fp32_vs_hf"] if 1 in by_batch else None,
+        "speedup_b64": by_batch[64]["speedup_fp32_vs_hf"] if 64 in by_batch else None,
+        "fp8_over_fp32": fp8_over_fp32,
+        "fp8_over_fp32_basis": "batch 64" if 64 in by_batch else ("mean over batch sizes" if include_fp8 else None),
     }
 
 

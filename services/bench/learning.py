@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.services.bench.versions import jetroll_commit, library_versions
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
+from jetroll.shared.errors import ConfigError
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/learning")

@@ -28,8 +28,8 @@ from jetroll.shared.model import exact
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM, KVCache
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from jetroll.shared.numerics import Precision
 from jetroll.shared.rl.mismatch import mismatch_stats
 
 MODES = ("bf16", "fp8_unified", "fp8_rollout_only")
@@ -69,6 +69,29 @@ def trainer_logprobs(model: CausalLM, prompts: torch.Tensor, completions: torch.
     return logprobs[:, prompts.shape[1] - 1 :]
 
 
+def _score_both_sides(mode: str, master: CausalLM, published: Path, prompts: torch.Tensor,
+                      completions: torch.Tensor, scored: dict[tuple[str, str], torch.Tensor],
+                      timings_s: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The completions' log-probs as rollout (from the published bytes) and the trainer (from the fp32 masters)
+    compute them in `mode`; each side's format is scored once (`scored`), whichever mode asks first."""
+    config = Precision(mode=mode, backend="exact")
+    sides = {}
+    for side, side_config in (("rollout", config), ("trainer", config.trainer_side())):
+        key = (side, side_config.linear_format("q_proj"))
+        if key not in scored:
+            started = time.perf_counter()
+            if side == "rollout":  # from the bytes rollout would load
+                model, _ = load_pretrained(published, side_config)
+                scored[key] = decode_logprobs(model, prompts, completions)
+            else:  # the trainer holds fp32 masters and rounds them itself
+                model = CausalLM(master.args, side_config).eval()
+                load_state(model, master.state_dict())
+                scored[key] = trainer_logprobs(model, prompts, completions)
+            timings_s[f"{side}_{key[1]}_exact"] = time.perf_counter() - started
+        sides[side] = scored[key]
+    return sides
+
+
 def run_mismatch_bench(
     lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048), num_samples: int = 8, prompt_len: int = 16,
     threads: int = 1, seed: int = 0, model_path: str | None = None,
@@ -103,24 +126,8 @@ def run_mismatch_bench(
             Engine(sampler, tokenizer.eos_id, num_samples, prompt_len + lengths[-1], seed=seed).generate(requests)
             timings_s["sample_fast"] = time.perf_counter() - started
             completions = torch.tensor([r.output_ids for r in requests])
-            deltas = {}
-            for mode in MODES:
-                config = Precision(mode=mode, backend="exact")
-                sides = {}
-                for side, side_config in (("rollout", config), ("trainer", config.trainer_side())):
-                    key = (side, side_config.linear_format("q_proj"))
-                    if key not in scored:
-                        started = time.perf_counter()
-                        if side == "rollout":  # from the bytes rollout would load
-                            model, _ = load_pretrained(published[mode], side_config)
-                            scored[key] = decode_logprobs(model, prompts, completions)
-                        else:  # the trainer holds fp32 masters and rounds them itself
-                            model = CausalLM(master.args, side_config).eval()
-                            load_state(model, master.state_dict())
-                            scored[key] = trainer_logprobs(model, prompts, completions)
-                        timings_s[f"{side}_{key[1]}_exact"] = time.perf_counter() - started
-                    sides[side] = scored[key]
-                deltas[mode] = sides
+            deltas = {mode: _score_both_sides(mode, master, published[mode], prompts, completions, scored, timings_s)
+                      for mode in MODES}
     finally:
         torch.set_num_threads(previous_threads)
     rows = []
@@ -130,8 +137,6 @@ def run_mismatch_bench(
             stats = mismatch_stats(trainer, rollout, torch.ones(trainer.shape, dtype=torch.bool), TIS_CAP, prefix="")
             rows.append({"mode": mode, "length": length, "tokens": int(stats["tokens"]),
                          **{name: stats[name] for name in METRICS}})
-    by_mode = {mode: [r for r in rows if r["mode"] == mode] for mode in MODES}
-    seq_delta = [r["seq_delta_abs_mean"] for r in by_mode["fp8_rollout_only"]]
     return {
         "config": {
             "model": model_name,
@@ -144,14 +149,19 @@ def run_mismatch_bench(
         },
         "rows": rows,
         "timings_s": timings_s,
-        "summary": {
-            "unified_max_abs_delta": max(r["abs_max"] for r in by_mode["fp8_unified"]),
-            "bf16_max_abs_delta": max(r["abs_max"] for r in by_mode["bf16"]),
-            "rollout_only_seq_delta_by_length": seq_delta,
-            "rollout_only_seq_delta_is_increasing": all(
-                a < b for a, b in zip(seq_delta[:-1], seq_delta[1:], strict=True)),
-            "rollout_only_k3_by_length": [r["k3"] for r in by_mode["fp8_rollout_only"]],
-        },
+        "summary": _summary(rows),
+    }
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by_mode = {mode: [r for r in rows if r["mode"] == mode] for mode in MODES}
+    seq_delta = [r["seq_delta_abs_mean"] for r in by_mode["fp8_rollout_only"]]
+    return {
+        "unified_max_abs_delta": max(r["abs_max"] for r in by_mode["fp8_unified"]),
+        "bf16_max_abs_delta": max(r["abs_max"] for r in by_mode["bf16"]),
+        "rollout_only_seq_delta_by_length": seq_delta,
+        "rollout_only_seq_delta_is_increasing": all(a < b for a, b in zip(seq_delta[:-1], seq_delta[1:], strict=True)),
+        "rollout_only_k3_by_length": [r["k3"] for r in by_mode["fp8_rollout_only"]],
     }
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from jetroll.services.bench.async_ import launch_job
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.warm_start import ensure_base_model
 
 log = logging.getLogger("jetroll.bench.precision")

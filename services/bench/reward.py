@@ -20,8 +20,8 @@ from typing import Any
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import BACKENDS, setup_backend
 from jetroll.services.reward.backends.base import RewardBackend, RewardCall
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.reward import RewardConfig
+from jetroll.shared.errors import ConfigError
 
 REWARD, COMPLETION, ANSWER = "arithmetic", "579", "579"
 LOOPBACK = ("http://127.0.0.1", "http://localhost")

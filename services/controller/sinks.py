@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Protocol
 
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig
+from jetroll.shared.errors import ConfigError
 
 RENAMES = {
     "time_s": "timing/elapsed_s", "step_time_s": "timing/step_s", "stage_s": "timing/stage_s",

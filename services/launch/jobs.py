@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.protocol.events import JobEvent
 from jetroll.shared.protocol.jobs import JobQueue
 from jetroll.shared.protocol.topology import RESERVED_JOB_IDS

@@ -15,9 +15,9 @@ from jetroll.services.launch.celery_worker import start_worker_process
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
-from jetroll.shared.config.base import JOB_FAILED_EXIT
 from jetroll.shared.config.dataset import DatasetTaskConfig
 from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.errors import JOB_FAILED_EXIT
 from jetroll.shared.tasks.registry import get_task
 
 POLL_S = 0.5

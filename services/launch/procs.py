@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from jetroll.shared.config.base import JOB_FAILED_EXIT
+from jetroll.shared.errors import JOB_FAILED_EXIT
 
 STOP_TIMEOUT_S = 10.0
 

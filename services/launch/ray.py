@@ -27,8 +27,8 @@ from typing import Any
 
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.reward.backends import needs_celery_worker
-from jetroll.shared.config.base import JOB_FAILED_EXIT, ConfigError, JobFailedError
 from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.errors import JOB_FAILED_EXIT, ConfigError, JobFailedError
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.client import RedisUnreachable, server_version
 from jetroll.shared.protocol.replicas import ReplicaVersions

@@ -28,8 +28,8 @@ import msgspec
 
 from jetroll.services.launch.jobs import FINAL_STATUSES, SUMMARY_FIELDS, check_job_id
 from jetroll.services.launch.procs import Lives, stop_process, supervise
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.protocol.bus import FIELD
 from jetroll.shared.protocol.events import EventDecodeError, JobEvent, decode
 from jetroll.shared.protocol.jobs import JobBoard, JobQueue

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.actor import Actor
-from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.job import JobConfig
+from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.checkpoint import load_state, save_pretrained
 from jetroll.shared.model.precision import published_dtype
 from jetroll.shared.protocol.bus import RedisBus

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import Strict
+from jetroll.shared.tasks.dataset import DatasetTask
 
 
 class DatasetTaskConfig(Strict):
@@ -43,3 +44,12 @@ class DatasetTaskConfig(Strict):
             raise ValueError(f"dataset task {self.name}: heldout_fraction + probe_fraction must leave rows to train "
                              "on")
         return self
+
+
+def dataset_task(entry: DatasetTaskConfig, seed: int) -> DatasetTask:
+    """The task a `kind: dataset` entry describes, in a job of `seed` (the config registers it as it validates)."""
+    return DatasetTask(name=entry.name, path=entry.path, reward=entry.reward, answer_field=entry.answer_field,
+                       prompt_field=entry.prompt_field, messages_field=entry.messages_field,
+                       solution_field=entry.solution_field, heldout_path=entry.heldout_path,
+                       heldout_fraction=entry.heldout_fraction, probe_fraction=entry.probe_fraction,
+                       max_new_tokens=entry.max_new_tokens, seed=seed)

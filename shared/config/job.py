@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from jetroll.shared.config.base import ConfigError, Strict
-from jetroll.shared.config.dataset import DatasetTaskConfig
+from jetroll.shared.config.base import Strict
+from jetroll.shared.config.dataset import DatasetTaskConfig, dataset_task
 from jetroll.shared.config.launch import LaunchConfig, RedisConfig
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.config.precision import PrecisionConfig
@@ -21,6 +21,7 @@ from jetroll.shared.config.rollout import RolloutConfig
 from jetroll.shared.config.staleness import StalenessConfig
 from jetroll.shared.config.store import StoreConfig
 from jetroll.shared.config.trainer import TrainerConfig
+from jetroll.shared.errors import ConfigError
 
 
 class TaskWeight(Strict):
@@ -82,7 +83,6 @@ class JobConfig(Strict):
 
     @model_validator(mode="after")
     def _known_tasks(self) -> JobConfig:
-        from jetroll.shared.tasks.dataset import DatasetTask
         from jetroll.shared.tasks.registry import TASKS, register_dataset
 
         names = [task.name for task in self.tasks]
@@ -98,7 +98,7 @@ class JobConfig(Strict):
                     if task.reward not in REWARDS:
                         raise ValueError(f"dataset task {task.name}: unknown reward {task.reward!r}; valid: "
                                          f"{sorted(REWARDS)} (or name its module in reward.modules)")
-                register_dataset(DatasetTask.of(task, self.seed))
+                register_dataset(dataset_task(task, self.seed))
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")

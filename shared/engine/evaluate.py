@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.functions.runner import get_reward
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
 from jetroll.shared.engine.turns import TurnRunner, run_episodes
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.model import CausalLM

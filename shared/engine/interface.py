@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
-from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.engine.request import Request
+from jetroll.shared.errors import JobFailedError
 
 PROBE_PROMPT_TOKENS = 16
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.engine.interface import error_line
 from jetroll.shared.engine.request import Request, has_room_after
+from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.seeds import derive_seed
 

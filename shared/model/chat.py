@@ -14,8 +14,8 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.model import ModelConfig
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem
 

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from jetroll.shared.config.base import JobFailedError
+from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import PrecisionLinear, quantization_config
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
+from jetroll.shared.numerics import Precision
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 

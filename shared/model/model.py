@@ -14,7 +14,6 @@ from torch import nn
 
 from jetroll.shared.model import decode_attention, exact
 from jetroll.shared.model.args import ModelArgs
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import (
     InferenceWeights,
     PrecisionLinear,
@@ -22,6 +21,7 @@ from jetroll.shared.model.precision import (
     use_exact,
 )
 from jetroll.shared.model.rope import inv_freq_and_scale
+from jetroll.shared.numerics import Precision
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D]
 

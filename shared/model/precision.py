@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jetroll.shared.model import exact
-from jetroll.shared.model.numerics import Precision
+from jetroll.shared.numerics import Precision
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 
-from jetroll.shared.config.base import JobFailedError
+from jetroll.shared.errors import JobFailedError
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.client import as_str
 from jetroll.shared.protocol.topology import DLQ

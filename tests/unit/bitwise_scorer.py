@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.model.checkpoint import load_pretrained
-from jetroll.shared.model.numerics import Precision
+from jetroll.shared.numerics import Precision
 
 
 def main(job_path: str) -> None:

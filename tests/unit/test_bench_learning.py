@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jetroll.services.bench.learning import cells, parse_seeds
-from jetroll.shared.config.base import ConfigError
+from jetroll.shared.errors import ConfigError
 
 
 def test_a_count_names_seeds_from_zero_and_a_list_names_its_own() -> None:

@@ -19,8 +19,8 @@ from jetroll.shared.engine.request import Request
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+from jetroll.shared.numerics import Precision
 
 TOKENIZER = build_char_tokenizer()
 SCORER = Path(__file__).with_name("bitwise_scorer.py")

@@ -11,10 +11,10 @@ import torch
 import transformers
 from chat_models import LLAMA_TEMPLATE, QWEN_TEMPLATE, bpe_model_dir
 
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.model import CausalLM

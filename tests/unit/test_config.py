@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 SMOKE = CONFIGS[0].parent / "smoke.yaml"

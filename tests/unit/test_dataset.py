@@ -11,11 +11,12 @@ import pytest
 from chat_models import QWEN_TEMPLATE, bpe_model_dir
 
 from jetroll.services.launch.local import check_datasets
-from jetroll.shared.config.base import ConfigError
+from jetroll.shared.config.dataset import dataset_task
 from jetroll.shared.config.job import load_config, validate_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
-from jetroll.shared.tasks.dataset import DatasetError, DatasetTask
+from jetroll.shared.tasks.dataset import DatasetError
 from jetroll.shared.tasks.registry import get_task
 from jetroll.shared.warm_start import config_hash
 
@@ -74,9 +75,9 @@ def test_draws_are_without_replacement_per_epoch_and_a_pure_function_of_seed_and
     assert sorted(p.prompt for p in second) == sorted(p.prompt for p in task.rows.train)
     assert [p.prompt for p in first] != [p.prompt for p in second]  # each epoch has its own order
     # a restarted controller (a new process: a new task object) continues where it was, mid-epoch
-    restarted = DatasetTask.of(validate_config(dataset_config(path)).tasks[0], seed=0)
+    restarted = dataset_task(validate_config(dataset_config(path)).tasks[0], seed=0)
     assert [restarted.sample(rng, i) for i in (num + 7, 5, num + 1)] == [second[6], first[4], second[0]]
-    other_seed = DatasetTask.of(validate_config(dataset_config(path)).tasks[0], seed=1)
+    other_seed = dataset_task(validate_config(dataset_config(path)).tasks[0], seed=1)
     assert [other_seed.sample(rng, i) for i in range(1, num + 1)] != first
 
 
@@ -113,7 +114,7 @@ def test_parquet_and_a_directory_of_shards(tmp_path: Path) -> None:
     assert [(Path(r.file).name, r.row) for r in data.bad] == [("part-001.jsonl", 41)]
     (shards / "part-002.parquet").write_bytes(b"PAR1 truncated")
     with pytest.raises(DatasetError, match="part-002.parquet: not a readable Parquet file"):
-        _ = DatasetTask.of(validate_config(dataset_config(shards)).tasks[0], seed=0).rows
+        _ = dataset_task(validate_config(dataset_config(shards)).tasks[0], seed=0).rows
 
 
 def test_messages_rows_render_through_the_chat_template(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from jetroll.shared.config.base import JobFailedError
+from jetroll.shared.errors import JobFailedError
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.dead_letters import DeadLetterAlarm, DeadLetters
 

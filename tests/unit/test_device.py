@@ -16,15 +16,15 @@ import pytest
 import torch
 from test_trainer_step import events_with_ratios, flat_parameters, groups_of, make_trainer, model_dir  # noqa: F401
 
-from jetroll.shared.config.base import JobFailedError
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
+from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.checkpoint import torch_device
 from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.numerics import Precision
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path and a missing CUDA device")
 

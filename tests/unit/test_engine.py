@@ -18,8 +18,8 @@ from jetroll.shared.model import decode_attention
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import WEIGHTS, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import PrecisionLinear
+from jetroll.shared.numerics import Precision
 from jetroll.shared.seeds import derive_seed, uniforms
 
 VOCAB = 40

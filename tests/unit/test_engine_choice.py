@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jetroll.shared.config.base import ConfigError, JobFailedError
 from jetroll.shared.config.job import load_config
 from jetroll.shared.engine.vllm import VllmEngine
+from jetroll.shared.errors import ConfigError, JobFailedError
 from jetroll.shared.model.args import ModelArgs
 
 

@@ -13,9 +13,9 @@ import torch
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import BLOCK_LINEARS, Precision
 from jetroll.shared.model.precision import PrecisionLinear
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.numerics import BLOCK_LINEARS, Precision
 
 TOKENIZER = build_char_tokenizer()
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.numerics import Precision
 from jetroll.shared.warm_start import IGNORE_INDEX, sft_batch, sft_lr
 
 STEPS, BATCH, LR = 200, 32, 3e-3

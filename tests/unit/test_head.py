@@ -68,7 +68,7 @@ def test_the_entropy_alone_or_the_logprob_alone_gets_its_own_gradient() -> None:
 
 
 def test_a_no_grad_pass_takes_the_models_own_logits_on_the_exact_backend() -> None:
-    from jetroll.shared.model.numerics import Precision
+    from jetroll.shared.numerics import Precision
 
     model = small_model(tied=True)
     model.precision = Precision(backend="exact")

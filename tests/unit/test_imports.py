@@ -139,3 +139,38 @@ def test_no_service_imports_another() -> None:
     crossings = sorted((module, name) for module, names in import_graph().items() for name in names
                        if service_of(module) and service_of(name) and service_of(module) != service_of(name))
     assert crossings == []
+
+
+def folder_of(module: str) -> str:
+    """A module's room: its package below `jetroll.shared` / `jetroll.services` (a module directly there, such as
+    `jetroll.shared.seeds`, is a room of its own)."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 else module
+
+
+def test_the_rooms_have_no_import_cycles() -> None:
+    """Folder level: config, model and tasks once imported each other through different modules, which no
+    module-level cycle shows."""
+    folders: dict[str, set[str]] = {}
+    for module, names in import_graph().items():
+        edges = folders.setdefault(folder_of(module), set())
+        edges.update(folder_of(name) for name in names if folder_of(name) != folder_of(module))
+    for targets in list(folders.values()):
+        for target in targets:
+            folders.setdefault(target, set())
+    assert {"jetroll.shared.config", "jetroll.shared.model", "jetroll.shared.tasks"} <= set(folders)
+    assert cycles(folders) == []
+
+
+def test_no_service_loads_another_even_transitively() -> None:
+    """Each service's modules, imported in a fresh interpreter, load no module of another service."""
+    code = ("import importlib, pkgutil, sys\nservice = sys.argv[1]\n"
+            "package = importlib.import_module(f'jetroll.services.{service}')\n"
+            "for m in pkgutil.walk_packages(package.__path__, f'jetroll.services.{service}.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print(' '.join(sorted({name.split('.')[2] for name in sys.modules if name.startswith('jetroll.services.')"
+            " and name.count('.') >= 2})))")
+    for service in ("controller", "rollout", "reward", "trainer"):
+        run = subprocess.run([sys.executable, "-c", code, service], capture_output=True, text=True, timeout=180,
+                             check=True)
+        assert run.stdout.split() == [service], (service, run.stdout)

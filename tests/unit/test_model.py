@@ -10,8 +10,8 @@ import torch
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM, KVCache
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.numerics import Precision
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import pytest
 from test_staleness_stats import scored, trajectory
 
 from jetroll.services.controller.routing import route_tasks, task_profile
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.rl.admission import Admission, in_flight_caps, task_quotas
 from jetroll.shared.rl.batch import GroupBuffer

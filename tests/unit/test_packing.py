@@ -10,7 +10,7 @@ from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
+from jetroll.shared.numerics import Precision
 from jetroll.shared.rl.batch import pack_groups
 from jetroll.shared.rl.loss import ppo_loss, token_logprobs
 

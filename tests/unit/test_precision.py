@@ -12,8 +12,8 @@ from jetroll.shared.model import exact
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_state
 from jetroll.shared.model.model import CausalLM, KVCache
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.precision import FP8_MAX, SCALE_EPS, PrecisionLinear, dequantize, fake_quant, quantize
+from jetroll.shared.numerics import Precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

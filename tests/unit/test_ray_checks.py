@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from jetroll.services.launch.ray import WANTED_REPLICAS, backlog_policy, run_ray_job
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
+from jetroll.shared.errors import ConfigError
 
 
 def test_backlog_policy_takes_the_largest_ask() -> None:

@@ -8,9 +8,9 @@ import pytest
 
 from jetroll.services.reward.backends import backends_in_use, needs_celery_worker, setup_backend
 from jetroll.services.reward.backends.base import Outcome
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
 from jetroll.shared.config.reward import RewardConfig
+from jetroll.shared.errors import ConfigError
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 

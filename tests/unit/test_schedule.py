@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.warm_start import sft_lr
 

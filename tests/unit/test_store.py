@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jetroll.shared.config.base import ConfigError
 from jetroll.shared.config.job import load_config, validate_config
 from jetroll.shared.config.store import StoreConfig
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.store import setup_store
 from jetroll.shared.store.base import WeightStoreError
 from jetroll.shared.store.local import LocalWeightStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from jetroll.services.launch.procs import Lives, supervise
-from jetroll.shared.config.base import JOB_FAILED_EXIT
+from jetroll.shared.errors import JOB_FAILED_EXIT
 
 
 def run(codes: list[int | None], max_restarts: int, may_finish: bool = True) -> tuple[int | None, list, list]:

@@ -19,8 +19,8 @@ from jetroll.shared.engine.turns import TurnRunner, run_episodes
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.model.numerics import Precision
 from jetroll.shared.model.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
+from jetroll.shared.numerics import Precision
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import EnvStep
 
