@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from job_harness import SMOKE, Job, launch, stop
 from moto.server import ThreadedMotoServer
+
+from jetroll.shared.config.job import load_config
+from jetroll.shared.warm_start import ensure_base_model
 
 # dummy credentials, and no config files, for every AWS client a test or its subprocesses make
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -33,3 +38,24 @@ def s3_url() -> Iterator[str]:
             yield f"http://{host}:{port}"
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The smoke config's tiny base model, built once per session in a private cache."""
+    cache = tmp_path_factory.mktemp("model-cache")
+    config = load_config(SMOKE, [f"model.cache_dir={cache}"])
+    return str(ensure_base_model(config.model, progress=False))
+
+
+@pytest.fixture
+def start_job(tmp_path: Path, redis_url: str, model_path: str) -> Iterator[Callable[..., Job]]:
+    jobs: list[Job] = []
+
+    def start(*overrides: str, ignore_sigint: bool = False) -> Job:
+        jobs.append(launch(tmp_path, redis_url, model_path, *overrides, ignore_sigint=ignore_sigint))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        stop(job)

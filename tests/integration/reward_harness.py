@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from factories import trajectory
 from helpers import wait_until_async
 
 from jetroll.services.reward.backends.base import RewardBackend
 from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.events import ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.topology import TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.protocol.validate import EventLimits
 from jetroll.shared.tasks.base import Problem
@@ -42,15 +43,9 @@ def limits_under_test() -> EventLimits:
 
 
 def traj(job_id: str, traj_id: str, task: str, completion: str, answer: str, env_status: str = "ok") -> TrajectoryEvent:
-    n = len(completion)
-    group_id, _, sample = traj_id.rpartition(":")
-    return TrajectoryEvent(
-        job_id=job_id, traj_id=traj_id, group_id=group_id, sample=int(sample), task=task, pool="default",
-        prompt="1+1=", answer=answer, prompt_ids=Array.of([ord(c) for c in "1+1="], "<i4"),
-        completion_ids=Array.of([ord(c) for c in completion], "<i4"), loss_mask=Array.of(np.ones(n), "<u1"),
-        behavior_logprobs=Array.of(np.full(n, -0.5), "<f4"), v_tok=Array.of(np.zeros(n), "<i4"), v_adm=0,
-        group_size=2, temperature=1.0, top_p=1.0, precision_id="test", finish_reason="stop", env_status=env_status,
-    )
+    """A trajectory whose text is one token per character (`detokenize` reads it back)."""
+    return trajectory(traj_id, [ord(c) for c in completion], job_id=job_id, task=task, answer=answer,
+                      prompt_ids=[ord(c) for c in "1+1="], env_status=env_status)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from test_job import hold_streams
+from job_harness import hold_streams
 from test_staleness import TINY, build_model
 
 from jetroll.services.bench.async_ import launch_job, read_ledger

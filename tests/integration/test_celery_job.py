@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from test_job import (  # noqa: F401 - fixture
+from job_harness import (
     audit_ledger,
     check_summary,
     hold_streams,
     launch,
-    model_path,
     service_logs,
     stop,
 )

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import JETROLL
-from test_job import hold_streams
+from job_harness import hold_streams
 
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.shared.config.job import load_config, validate_config

@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 import redis
 from helpers import JETROLL
-from test_job import (  # noqa: F401 - fixture
+from job_harness import (
     SMOKE,
     Job,
     audit_ledger,
     check_summary,
     hold_streams,
-    model_path,
     service_logs,
     stop,
 )

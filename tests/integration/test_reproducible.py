@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_job import Job, launch, model_path, service_logs, stop  # noqa: F401 - fixture
+from job_harness import Job, launch, service_logs, stop
 from test_staleness import TINY, build_model
 
 from jetroll.services.controller.controller import Controller
@@ -136,7 +136,7 @@ def test_a_sync_run_killed_everywhere_ends_with_the_weights_of_a_fault_free_one(
     """Sync mode, one rollout worker, FP8 on the exact backend: SIGKILL the trainer twice, the rollout worker, the
     reward router and the controller at seeded steps, beside the same job with no faults. Every restarted service
     replays what its predecessor would have done, so the final weights agree bit for bit."""
-    from test_job import kill_service
+    from job_harness import kill_service
 
     args = ("staleness.mode=sync", "precision.mode=fp8_unified", "precision.backend=exact", "trainer.max_steps=8")
     clean, faulty = (launch(tmp_path, redis_url, model_path, *args) for _ in range(2))

@@ -8,17 +8,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 from helpers import ended, wait_until_async
-from reward_harness import limits_under_test
+from reward_harness import detokenize, limits_under_test, traj
 
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
 from jetroll.services.reward.router import RewardRouter
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.dead_letters import DeadLetters
-from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent, decode
+from jetroll.shared.protocol.events import ScoredEvent, TrajectoryEvent, decode
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
@@ -30,36 +29,6 @@ if UNIT_DIR not in sys.path:
     sys.path.insert(0, UNIT_DIR)  # spawned reward workers inherit sys.path and import reward_test_fns
 
 pytestmark = pytest.mark.integration
-
-
-def detokenize(ids: np.ndarray) -> str:
-    return "".join(chr(int(i)) for i in ids)
-
-
-def traj(job_id: str, traj_id: str, task: str, completion: str, answer: str) -> TrajectoryEvent:
-    n = len(completion)
-    group_id, _, sample = traj_id.rpartition(":")
-    return TrajectoryEvent(
-        job_id=job_id,
-        traj_id=traj_id,
-        group_id=group_id,
-        sample=int(sample),
-        task=task,
-        pool="default",
-        prompt="1+1=",
-        answer=answer,
-        prompt_ids=Array.of([ord(c) for c in "1+1="], "<i4"),
-        completion_ids=Array.of([ord(c) for c in completion], "<i4"),
-        loss_mask=Array.of(np.ones(n), "<u1"),
-        behavior_logprobs=Array.of(np.full(n, -0.5), "<f4"),
-        v_tok=Array.of(np.zeros(n), "<i4"),
-        v_adm=0,
-        group_size=2,
-        temperature=1.0,
-        top_p=1.0,
-        precision_id="test",
-        finish_reason="stop",
-    )
 
 
 @dataclass(frozen=True)

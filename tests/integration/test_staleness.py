@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import redis
 import torch
+from factories import scored
+from factories import trajectory as make_trajectory
 from helpers import ended, wait_until_async
-from test_job import hold_streams
+from job_harness import hold_streams
 
 from jetroll.services.launch.local import Launcher
 from jetroll.services.rollout.worker import RolloutWorker
@@ -75,16 +77,11 @@ def job_config(model_dir: Path, run_dir: Path, **sections: Any) -> JobConfig:
     return validate_config(tree)
 
 
-def scored(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int]) -> ScoredEvent:
+def scored_sample(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int]) -> ScoredEvent:
     n = len(v_tok)
-    traj = TrajectoryEvent(
-        job_id=job_id, traj_id=f"{group}:{sample}", group_id=group, sample=sample, task="arithmetic",
-        pool="default", prompt="1+1=", answer="2", prompt_ids=Array.of([5, 6, 7], "<i4"),
-        completion_ids=Array.of([8 + (i + sample) % 10 for i in range(n)], "<i4"), loss_mask=Array.of([1] * n, "<u1"),
-        behavior_logprobs=Array.of([-3.0] * n, "<f4"), v_tok=Array.of(v_tok, "<i4"), v_adm=v_adm, group_size=2,
-        temperature=1.0, top_p=1.0, precision_id="p", finish_reason="stop")
-    return ScoredEvent(job_id=job_id, trajectory=traj, reward=float(sample), status="ok", attempts=1,
-                       backend="local", latency_s=0.0)
+    traj = make_trajectory(f"{group}:{sample}", [8 + (i + sample) % 10 for i in range(n)], job_id=job_id,
+                           prompt_ids=[5, 6, 7], behavior_logprobs=-3.0, v_tok=v_tok, v_adm=v_adm)
+    return scored(traj, float(sample))
 
 
 async def until(predicate: Callable[[], Awaitable[bool]], task: asyncio.Task[None], what: str,
@@ -143,15 +140,15 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
                 await until(reached, task, f"v{version}")
                 await bus.publish_many("traj:scored", events)
 
-            await publish_once_at(0, [scored(job, "g1", 0, 0, [0, 0]), *(scored(job, "g2", i, 0, [0, 0])
+            await publish_once_at(0, [scored_sample(job, "g1", 0, 0, [0, 0]), *(scored_sample(job, "g2", i, 0, [0, 0])
                                                                           for i in range(2))])
-            await publish_once_at(1, [scored(job, "g3", i, 1, [1, 1]) for i in range(2)])
-            await publish_once_at(2, [scored(job, "g4", i, 1, [1, 2]) for i in range(2)])
+            await publish_once_at(1, [scored_sample(job, "g3", i, 1, [1, 1]) for i in range(2)])
+            await publish_once_at(2, [scored_sample(job, "g4", i, 1, [1, 2]) for i in range(2)])
             await asyncio.sleep(0.5)
             version_while_waiting = trainer.version
-            await bus.publish("traj:scored", scored(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2]))
-            await publish_once_at(4, [*(scored(job, "g5", i, 2, [2, 3, 4]) for i in range(2)),
-                                      *(scored(job, "g6", i, 2, [0, 0, 3, 4]) for i in range(2))])
+            await bus.publish("traj:scored", scored_sample(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2]))
+            await publish_once_at(4, [*(scored_sample(job, "g5", i, 2, [2, 3, 4]) for i in range(2)),
+                                      *(scored_sample(job, "g6", i, 2, [0, 0, 3, 4]) for i in range(2))])
             await asyncio.wait_for(task, timeout=60)
             return await trainer_rows(bus), version_while_waiting, await bus.redis.zcard(bus.key(IN_FLIGHT))
         finally:

@@ -20,8 +20,8 @@ import boto3
 import pytest
 import redis
 import torch
+from job_harness import audit_ledger, launch, service_logs, stop
 from safetensors.torch import save_file
-from test_job import audit_ledger, launch, service_logs, stop
 
 from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.services.rollout.worker import RolloutWorker

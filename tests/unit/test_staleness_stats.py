@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factories import scored
+from factories import trajectory as make_trajectory
 
 from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
 from jetroll.shared.config.rollout import TimingEngineConfig
-from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.events import TrajectoryEvent
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.rl.admission import Admission
 from jetroll.shared.rl.batch import GroupBuffer, collate
@@ -18,18 +20,9 @@ from jetroll.shared.rl.staleness import staleness_stats
 
 def trajectory(group: str, sample: int, v_tok: list[int], v_adm: int = 0, task: str = "arithmetic",
                loss_mask: list[int] | None = None, group_size: int = 2) -> TrajectoryEvent:
-    n = len(v_tok)
-    return TrajectoryEvent(
-        job_id="j", traj_id=f"{group}:{sample}", group_id=group, sample=sample, task=task, pool="default",
-        prompt="1+1=", answer="2", prompt_ids=Array.of([3, 4], "<i4"), completion_ids=Array.of([5] * n, "<i4"),
-        loss_mask=Array.of(loss_mask or [1] * n, "<u1"), behavior_logprobs=Array.of([-1.0] * n, "<f4"),
-        v_tok=Array.of(v_tok, "<i4"), v_adm=v_adm, group_size=group_size, temperature=1.0, top_p=1.0,
-        precision_id="p", finish_reason="stop")
-
-
-def scored(traj: TrajectoryEvent) -> ScoredEvent:
-    return ScoredEvent(job_id="j", trajectory=traj, reward=1.0, status="ok", attempts=1, backend="local",
-                       latency_s=0.0)
+    return make_trajectory(f"{group}:{sample}", [5] * len(v_tok), task=task, prompt_ids=[3, 4],
+                           behavior_logprobs=-1.0, v_tok=v_tok, loss_mask=loss_mask, v_adm=v_adm,
+                           group_size=group_size)
 
 
 def test_staleness_stats_lags_masks_and_histogram() -> None:

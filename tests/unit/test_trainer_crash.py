@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from factories import scored
+from factories import trajectory as make_trajectory
 from test_trainer_step import flat_parameters, make_trainer, model_dir  # noqa: F401 - the fixture
 
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.model.tokenizer import build_char_tokenizer
-from jetroll.shared.protocol.events import Array, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.events import ScoredEvent
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import TRAJ_SCORED
 
@@ -37,25 +39,19 @@ class Crash(Exception):
     """Stands in for a kill -9 right after a call: nothing after it runs."""
 
 
-def scored(job_id: str, group: int, sample: int) -> ScoredEvent:
+def scored_sample(job_id: str, group: int, sample: int) -> ScoredEvent:
     tokenizer = build_char_tokenizer()
     completion = tokenizer.encode(str(10 + group + sample))
-    n = len(completion)
-    traj = TrajectoryEvent(
-        job_id=job_id, traj_id=f"g{group}:{sample}", group_id=f"g{group}", sample=sample, task="arithmetic",
-        pool="default", prompt=PROMPTS[group], answer="0", prompt_ids=Array.of(tokenizer.encode(PROMPTS[group]), "<i4"),
-        completion_ids=Array.of(completion, "<i4"), loss_mask=Array.of([1] * n, "<u1"),
-        behavior_logprobs=Array.of([-0.5] * n, "<f4"), v_tok=Array.of([0] * n, "<i4"), v_adm=0, group_size=4,
-        temperature=1.0, top_p=1.0, precision_id="p", finish_reason="stop")
-    return ScoredEvent(job_id=job_id, trajectory=traj, reward=REWARDS[group][sample], status="ok", attempts=1,
-                       backend="local", latency_s=0.0)
+    traj = make_trajectory(f"g{group}:{sample}", completion, job_id=job_id, prompt=PROMPTS[group], answer="0",
+                           prompt_ids=tokenizer.encode(PROMPTS[group]), group_size=4)
+    return scored(traj, REWARDS[group][sample])
 
 
 async def publish_groups(trainer: Trainer, groups: range) -> None:
     await trainer.bus.ensure_group(TRAJ_SCORED.name, TRAJ_SCORED.group)
     for group in groups:
         for sample in range(4):
-            await trainer.bus.publish(TRAJ_SCORED.name, scored(trainer.config.job_id, group, sample))
+            await trainer.bus.publish(TRAJ_SCORED.name, scored_sample(trainer.config.job_id, group, sample))
 
 
 def crash_after(owner: Any, name: str, armed: Callable[[], bool]) -> None:

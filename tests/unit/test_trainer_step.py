@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from factories import scored
+from factories import trajectory as make_trajectory
 
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.services.trainer.trainer import Trainer
@@ -25,7 +27,7 @@ from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.dead_letters import DeadLetters
-from jetroll.shared.protocol.events import Array, GroupEvent, ScoredEvent, TrajectoryEvent
+from jetroll.shared.protocol.events import Array, GroupEvent, ScoredEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import TRAJ_SCORED
@@ -71,15 +73,9 @@ def trajectory(job_id: str, row: int, completion: list[int], behavior_logp: list
                rewards: tuple[tuple[float, ...], ...] = REWARDS) -> ScoredEvent:
     group, sample = divmod(row, 4)
     tokenizer = build_char_tokenizer()
-    n = len(completion)
-    traj = TrajectoryEvent(
-        job_id=job_id, traj_id=f"g{group}:{sample}", group_id=f"g{group}", sample=sample, task="arithmetic",
-        pool="default", prompt=PROMPTS[group], answer="0", prompt_ids=Array.of(tokenizer.encode(PROMPTS[group]), "<i4"),
-        completion_ids=Array.of(completion, "<i4"), loss_mask=Array.of([1] * n, "<u1"),
-        behavior_logprobs=Array.of(behavior_logp, "<f4"), v_tok=Array.of([0] * n, "<i4"), v_adm=0, group_size=4,
-        temperature=1.0, top_p=1.0, precision_id="p", finish_reason="stop")
-    return ScoredEvent(job_id=job_id, trajectory=traj, reward=rewards[group][sample], status="ok", attempts=1,
-                       backend="local", latency_s=0.0)
+    traj = make_trajectory(f"g{group}:{sample}", completion, job_id=job_id, prompt=PROMPTS[group], answer="0",
+                           prompt_ids=tokenizer.encode(PROMPTS[group]), behavior_logprobs=behavior_logp, group_size=4)
+    return scored(traj, rewards[group][sample])
 
 
 def groups_of(events: list[ScoredEvent]) -> list[PendingGroup]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from factories import trajectory as make_trajectory
 
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.protocol.dead_letters import dead_letter_counts
@@ -40,12 +41,8 @@ def group(**fields: Any) -> GroupEvent:
 
 
 def trajectory(**fields: Any) -> TrajectoryEvent:
-    event = TrajectoryEvent(
-        job_id="j", traj_id="g1:2", group_id="g1", sample=2, task="arithmetic", pool="default", prompt="1+2=",
-        answer="3", prompt_ids=Array.of([5, 6, 7, 8], "<i4"), completion_ids=Array.of([9, 1], "<i4"),
-        loss_mask=Array.of([1, 1], "<u1"), behavior_logprobs=Array.of([-0.5, -0.1], "<f4"),
-        v_tok=Array.of([2, 3], "<i4"), v_adm=2, group_size=4, temperature=1.0, top_p=1.0, precision_id="p",
-        finish_reason="stop")
+    event = make_trajectory("g1:2", [9, 1], prompt="1+2=", answer="3", behavior_logprobs=[-0.5, -0.1], v_tok=[2, 3],
+                            v_adm=2, group_size=4)
     return msgspec.structs.replace(event, **fields)
 
 
