@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from jetroll.services.bench.engine import SEED, _tiny_args
+from jetroll.services.bench.engine import SEED, tiny_args
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
 from jetroll.shared.model.model import CausalLM
@@ -23,7 +23,7 @@ NEW_TOKENS = 256
 def main() -> None:
     tokenizer = build_char_tokenizer()
     torch.manual_seed(SEED)
-    model = CausalLM(_tiny_args(tokenizer.vocab_size)).eval()
+    model = CausalLM(tiny_args(tokenizer.vocab_size)).eval()
     weight_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     generator = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(len(SPECIAL_TOKENS), tokenizer.vocab_size, (32,), generator=generator).tolist()

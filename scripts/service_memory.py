@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from jetroll.services.bench.shape import CONFIG, _with_layers
+from jetroll.services.bench.shape import CONFIG, with_layers
 from jetroll.services.launch.entrypoints import prepare_process
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
@@ -109,7 +109,7 @@ def rollout(config: JobConfig, path: Path, rss: Rss) -> None:
 
 def main(service: str, layers: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="jetroll-service-memory-"))
-    config = load_config(CONFIG, [f"model.path={_with_layers(work / 'model', layers)}",
+    config = load_config(CONFIG, [f"model.path={with_layers(work / 'model', layers)}",
                                   f"model.cache_dir={work / 'cache'}"])
     path = ensure_base_model(config.model, progress=False)  # in a child's memory would be fairer; it is small
     prepare_process(service, config)  # as `jetroll trainer` and `jetroll rollout` do

@@ -68,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--json", action="store_true", help="print one JSON list")
 
     redis_url = os.environ.get("JETROLL_REDIS_URL")
+    _add_queue_parsers(sub, redis_url)
+
+    celery = sub.add_parser("celery-worker", help="a Celery reward worker (reward.backend celery) on the job's Redis")
+    _config_args(celery)
+    celery.add_argument("--redis-url", default=redis_url, help="the broker unless reward.celery_broker_url is set "
+                        "(env JETROLL_REDIS_URL)")
+    celery.add_argument("--node", help="worker node name (default jetroll@<hostname>)")
+
+    _add_service_parsers(sub, redis_url)
+    add_bench_parsers(sub)
+    return parser
+
+
+def _add_queue_parsers(sub: Any, redis_url: str | None) -> None:
+    """`jetroll submit | status | dlq`: jobs queued for watch mode, their board, and a job's dead letters."""
     submit = sub.add_parser("submit", help="validate a job config and queue it for `jetroll controller --watch` "
                             "(Redis), or put it under an S3 jobs/ prefix (the AWS trigger); prints the job_id")
     _config_args(submit, required=True)
@@ -88,16 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     dlq.add_argument("--redis-url", default=redis_url, help="the job's Redis (env JETROLL_REDIS_URL)")
     dlq.add_argument("--list", type=int, default=10, metavar="N", help="also print the newest N records (default 10)")
     dlq.add_argument("--json", action="store_true", help="print JSON: counts and the newest records")
-
-    celery = sub.add_parser("celery-worker", help="a Celery reward worker (reward.backend celery) on the job's Redis")
-    _config_args(celery)
-    celery.add_argument("--redis-url", default=redis_url, help="the broker unless reward.celery_broker_url is set "
-                        "(env JETROLL_REDIS_URL)")
-    celery.add_argument("--node", help="worker node name (default jetroll@<hostname>)")
-
-    _add_service_parsers(sub, redis_url)
-    add_bench_parsers(sub)
-    return parser
 
 
 def _add_service_parsers(sub: Any, redis_url: str | None) -> None:
@@ -146,19 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.command == "run":
-            from jetroll.services.launch.jobs import load_job_config
-            from jetroll.services.launch.local import run_job
-
-            config = load_job_config(args.config, args.overrides)
-            if args.max_steps is not None:
-                config = validate_config({**config.model_dump(), "trainer": {
-                    **config.trainer.model_dump(), "max_steps": args.max_steps}})
-            if args.launcher == "ray":
-                from jetroll.services.launch.ray import run_ray_job
-
-                return run_ray_job(config, run_dir=args.run_dir, redis_url=args.redis_url,
-                                   ray_address=args.ray_address, num_cpus=args.ray_num_cpus)
-            return run_job(config, run_dir=args.run_dir, redis_url=args.redis_url)
+            return _run(args)
         if args.command == "init-model":
             from jetroll.shared.warm_start import main as init_main
 
@@ -193,6 +186,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"jetroll: {args.command} interrupted", file=sys.stderr)
         return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jetroll.services.launch.jobs import load_job_config
+    from jetroll.services.launch.local import Launcher
+    from jetroll.services.launch.run import run
+
+    config = load_job_config(args.config, args.overrides)
+    if args.max_steps is not None:
+        config = validate_config({**config.model_dump(), "trainer": {
+            **config.trainer.model_dump(), "max_steps": args.max_steps}})
+    if args.launcher == "ray":
+        from jetroll.services.launch.ray import run_ray_job
+
+        return run_ray_job(config, run_dir=args.run_dir, redis_url=args.redis_url, ray_address=args.ray_address,
+                           num_cpus=args.ray_num_cpus)
+    return run(config, lambda resolved, run_dir, redis_url, server: Launcher(resolved, run_dir, redis_url,
+                                                                             redis_server=server),
+               run_dir=args.run_dir, redis_url=args.redis_url)
 
 
 def _interrupt(signum: int, frame: object) -> None:

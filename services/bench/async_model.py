@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +66,7 @@ def simulate(durations: Durations, *, num_groups: int, group_size: int, num_slot
     """One run of the event model; `eta` 0 is sync (every admitted group is required each step)."""
     run = ModelRun()
     now, version, num_admitted, num_dropped = 0.0, 0, 0, 0
-    queue: list[tuple[int, int]] = []  # (group index, sample), FIFO
+    queue: deque[tuple[int, int]] = deque()  # (group index, sample), FIFO
     running: list[tuple[float, int, int, int]] = []  # heap of (finish, group, sample, version at start)
     v_adm: dict[int, int] = {}
     start_version: dict[int, int] = {}  # oldest version a group's samples started at
@@ -73,7 +74,6 @@ def simulate(durations: Durations, *, num_groups: int, group_size: int, num_slot
     failed: set[int] = set()
     complete: list[int] = []
     train_done_at: float | None = None
-    queue_head = 0
 
     def admit() -> None:
         nonlocal num_admitted
@@ -85,9 +85,8 @@ def simulate(durations: Durations, *, num_groups: int, group_size: int, num_slot
 
     admit()
     while version < num_steps:
-        while len(running) < num_slots and queue_head < len(queue):
-            group, sample = queue[queue_head]
-            queue_head += 1
+        while len(running) < num_slots and queue:
+            group, sample = queue.popleft()
             duration_s, _ = durations(f"g{group:07d}:{sample}")
             heapq.heappush(running, (now + duration_s, group, sample, version))
             start_version[group] = min(start_version.get(group, version), version)

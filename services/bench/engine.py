@@ -38,7 +38,7 @@ def _import_hf() -> Any:
     return transformers
 
 
-def _tiny_args(vocab_size: int) -> ModelArgs:
+def tiny_args(vocab_size: int) -> ModelArgs:
     return ModelArgs(vocab_size=vocab_size, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                      intermediate_size=768, max_position_embeddings=4096)
 
@@ -140,15 +140,14 @@ def run_engine_bench(
         stack.callback(torch.set_num_threads, previous_threads)
         tokenizer = build_char_tokenizer()
         torch.manual_seed(SEED)
-        fp32_model = CausalLM(_tiny_args(tokenizer.vocab_size)).eval()
+        fp32_model = CausalLM(tiny_args(tokenizer.vocab_size)).eval()
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         save_pretrained(fp32_model, tokenizer, directory / "tiny")
         hf_model = transformers.Qwen2ForCausalLM.from_pretrained(directory / "tiny", dtype=torch.float32).eval()
         vllm_engine = None
         if include_vllm:
-            from jetroll.shared.engine.vllm import VllmEngine, import_vllm
+            from jetroll.shared.engine.vllm import VllmEngine
 
-            import_vllm()
             # one engine for every batch size: vLLM schedules what it is given, up to max_num_seqs
             vllm_engine = VllmEngine(directory / "tiny", fp32_model.args, tokenizer.vocab_size, "fp32",
                                      max_batch=max(batch_sizes), max_len=prompt_len + new_tokens, seed=SEED,

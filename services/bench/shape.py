@@ -32,7 +32,7 @@ def run_shape_bench(layers: int | None = None, max_steps: int | None = None, run
     out = Path(run_dir or tempfile.mkdtemp(prefix="jetroll-shape-")).resolve()
     shutil.rmtree(out / "run", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = MODEL if layers is None else _with_layers(out / "model", layers)
+    model_dir = MODEL if layers is None else with_layers(out / "model", layers)
     extra = [f"model.path={model_dir}", f"model.cache_dir={out / 'cache'}", *overrides,
              *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
     command = [sys.executable, "-m", "jetroll.services.cli", "run", str(CONFIG), "--run-dir", str(out / "run"),
@@ -74,7 +74,7 @@ def run_shape_bench(layers: int | None = None, max_steps: int | None = None, run
     }
 
 
-def _with_layers(directory: Path, layers: int) -> Path:
+def with_layers(directory: Path, layers: int) -> Path:
     """The shape's model dir with another layer count (CI's short run): everything else as it ships."""
     shutil.rmtree(directory, ignore_errors=True)
     shutil.copytree(MODEL, directory)

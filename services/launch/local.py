@@ -1,10 +1,10 @@
-"""The local launcher: a private redis-server and every service as supervised child processes."""
+"""The local launcher: every service of a job as a supervised child process, and the job's own redis-server (when
+`run` started one) restarted like a service from its append-only file."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -15,10 +15,8 @@ from jetroll.services.launch.celery_worker import start_worker_process
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
-from jetroll.shared.config.dataset import DatasetTaskConfig
-from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.config.job import JobConfig
 from jetroll.shared.errors import JOB_FAILED_EXIT
-from jetroll.shared.tasks.registry import get_task
 
 POLL_S = 0.5
 
@@ -37,6 +35,10 @@ class Service:
 
 
 class Launcher:
+    """Every service of a job as a supervised child process (`jetroll <service> --config`)."""
+
+    where = "local"
+
     def __init__(self, config: JobConfig, run_dir: Path, redis_url: str, is_console: bool = True,
                  redis_server: RedisServer | None = None) -> None:
         self.config = config
@@ -128,7 +130,7 @@ class Launcher:
         return code
 
     async def _redis_life(self) -> int:
-        """The first life is the server `run_job` started; each later one restarts it from its append-only file."""
+        """The first life is the server `run` started; each later one restarts it from its append-only file."""
         server = self.redis_server
         assert server is not None
         if not server.is_running:
@@ -144,67 +146,3 @@ class Launcher:
         for service in self.services:
             if service.log:
                 service.log.close()
-
-
-def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
-    """The config every service of a job reads: its datasets read and checked, the base model built or found
-    (model.path), and the store root (or the S3 store's cache) and dataset paths made absolute, `<run_dir>/store`
-    by default. `jetroll run` and the watch-mode controller both resolve a job this way."""
-    from jetroll.shared.warm_start import ensure_base_model
-
-    check_datasets(config)
-    model_path = ensure_base_model(config.model)
-    store_root = config.store.root or str(run_dir / "store")
-    tree = config.model_dump(mode="json")
-    tree["model"]["path"] = str(Path(model_path).resolve())
-    tree["model"]["init"] = "pretrained"  # what the services load, whatever built it
-    tree["model"]["tokenizer"] = None  # the built model holds it
-    tree["store"]["root"] = str(Path(store_root).resolve())
-    for task in tree["tasks"]:
-        for key in ("path", "heldout_path"):
-            if task.get(key):
-                task[key] = str(Path(task[key]).expanduser().resolve())
-    return validate_config(tree)
-
-
-def check_datasets(config: JobConfig) -> None:
-    """Read every dataset task's files before anything starts: a missing file or an empty split fails here with
-    one line (DatasetError), and the rows skipped as bad are counted."""
-    for entry in config.tasks:
-        if isinstance(entry, DatasetTaskConfig):
-            rows = get_task(entry.name).rows
-            print(f"jetroll: dataset task {entry.name}: {len(rows.train)} training, {len(rows.probe)} probe and "
-                  f"{len(rows.heldout)} held-out rows from {len(rows.files)} file(s); {len(rows.bad)} bad rows "
-                  "skipped" + (f", {rows.heldout_overlap} training rows dropped as held-out duplicates"
-                               if rows.heldout_overlap else ""), file=sys.stderr)
-            if len(rows.heldout) < config.eval.num_problems:
-                print(f"jetroll: dataset task {entry.name}: eval.num_problems is {config.eval.num_problems}, but it "
-                      f"has {len(rows.heldout)} held-out rows: the eval scores those", file=sys.stderr)
-
-
-def run_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None) -> int:
-    """`jetroll run`: build/find the base model, start Redis unless given (persisting under `<run-dir>/redis`), run
-    the services to the end."""
-    run_dir = (run_dir or Path("runs") / config.job_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config = resolve_config(config, run_dir)
-
-    server = None
-    redis_url = redis_url or config.redis.url
-    if redis_url is None:
-        server = RedisServer(data_dir=run_dir / "redis").start()
-        redis_url = server.url
-    launcher = Launcher(config, run_dir, redis_url, redis_server=server)
-    print(f"jetroll: job {config.job_id} in {run_dir} (redis {redis_url}, pid {os.getpid()})", file=sys.stderr)
-    try:
-        code = launcher.supervise()
-    except KeyboardInterrupt:
-        print("jetroll: interrupted; stopping services", file=sys.stderr)
-        code = 130
-    finally:
-        launcher.stop()
-        if server is not None:
-            server.stop()
-    if code == 0:
-        print(f"jetroll: done; see {run_dir / 'summary.json'}", file=sys.stderr)
-    return code

@@ -30,7 +30,6 @@ from jetroll.services.reward.backends import needs_celery_worker
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.errors import JOB_FAILED_EXIT, ConfigError, JobFailedError
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.client import RedisUnreachable, server_version
 from jetroll.shared.protocol.replicas import ReplicaVersions
 
 log = logging.getLogger("jetroll.ray")
@@ -161,16 +160,34 @@ def backlog_policy(ctx: Any) -> tuple[int, dict]:
 
 
 class RayJob:
-    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str) -> None:
+    """A job's services on a Ray cluster: a local one, or the one at `ray_address`, which it joins here and leaves
+    in `stop`."""
+
+    def __init__(self, config: JobConfig, run_dir: Path, redis_url: str, ray_address: str | None = None,
+                 num_cpus: int | None = None) -> None:
+        import ray
+
         self.config = config
         self.tree = config.model_dump(mode="json")
         self.run_dir = run_dir
         self.redis_url = redis_url
+        self.where = f"ray {ray_address or 'local'}"
         self.actors: dict[str, Any] = {}
         self.apps: list[str] = []
         self.celery: subprocess.Popen | None = None
+        (run_dir / "logs").mkdir(exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(self.tree, indent=2))
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address=ray_address, num_cpus=None if ray_address else num_cpus, include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING)
 
-    def start(self) -> None:
+    def supervise(self) -> int:
+        """Start the services, then run the controller here until it finishes (0), or until a service is dead for
+        good (1)."""
+        self._start()
+        return asyncio.run(self._supervise())
+
+    def _start(self) -> None:
         import ray
         from ray import serve
 
@@ -197,8 +214,7 @@ class RayJob:
             serve.run(deployment.bind(self.tree, self.redis_url, str(self.run_dir), pool.name), name=app,
                       route_prefix=None)
 
-    async def supervise(self) -> int:
-        """Run the controller here until it finishes (0), or until a service is dead for good (1)."""
+    async def _supervise(self) -> int:
         task = asyncio.current_task()
         assert task is not None
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
@@ -292,6 +308,7 @@ class RayJob:
             ray.kill(actor, no_restart=True)
         if self.celery is not None:  # its pool children outlive the main process: end the whole group
             stop_processes([self.celery], groups=True)
+        ray.shutdown()
 
 
 def _start_celery(config: JobConfig, redis_url: str, run_dir: Path, consumer: str) -> subprocess.Popen:
@@ -312,61 +329,20 @@ async def _clear_replicas(redis_url: str, job_id: str) -> None:
         await bus.close()
 
 
-def _check_redis(redis_url: str) -> None:
-    try:
-        server_version(redis_url)
-    except RedisUnreachable as exc:
-        raise ConfigError(str(exc)) from exc
-
-
 def run_ray_job(config: JobConfig, run_dir: Path | None = None, redis_url: str | None = None,
                 ray_address: str | None = None, num_cpus: int | None = None) -> int:
     """`jetroll run --launcher ray`: a local Ray cluster (or the one at `ray_address`) runs the job's services."""
     try:
-        import ray
+        import ray  # noqa: F401 - here only to refuse in one line where it is missing
     except ImportError:
         print("jetroll: the ray launcher needs Ray: pip install 'jetroll[ray]'", file=sys.stderr)
         return 2
-    from jetroll.services.launch.local import resolve_config
-    from jetroll.services.launch.redis_server import RedisServer
+    from jetroll.services.launch.run import run
 
     ray_address = ray_address or os.environ.get("RAY_ADDRESS")
-    redis_url = redis_url or config.redis.url
-    if ray_address and redis_url is None:
+    if ray_address and (redis_url or config.redis.url) is None:
         raise ConfigError("--ray-address: the services run on other nodes, so they need a Redis every node can "
                           "reach: pass --redis-url or set redis.url")
-    if redis_url is not None:
-        _check_redis(redis_url)
-    run_dir = (run_dir or Path("runs") / config.job_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    config = resolve_config(config, run_dir)
-    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-
-    server = None
-    if redis_url is None:
-        server = RedisServer().start()
-        redis_url = server.url
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address=ray_address, num_cpus=None if ray_address else num_cpus, include_dashboard=False,
-             log_to_driver=False, logging_level=logging.WARNING)
-    job = RayJob(config, run_dir, redis_url)
-    print(f"jetroll: job {config.job_id} in {run_dir} (redis {redis_url}, ray {ray_address or 'local'}, "
-          f"pid {os.getpid()})", file=sys.stderr)
-    try:
-        job.start()
-        code = asyncio.run(job.supervise())
-    except KeyboardInterrupt:
-        print("jetroll: interrupted; stopping services", file=sys.stderr)
-        code = 130
-    except asyncio.CancelledError:  # SIGTERM
-        print("jetroll: terminated; stopping services", file=sys.stderr)
-        code = 143
-    finally:
-        job.stop()
-        ray.shutdown()
-        if server is not None:
-            server.stop()
-    if code == 0:
-        print(f"jetroll: done; see {run_dir / 'summary.json'}", file=sys.stderr)
-    return code
+    return run(config, lambda resolved, directory, url, _server: RayJob(resolved, directory, url, ray_address,
+                                                                         num_cpus),
+               run_dir=run_dir, redis_url=redis_url)

@@ -168,7 +168,7 @@ async def _reject(queue: JobQueue, entry_id: str, payload: bytes | None, exc: Jo
 
 async def _run_job(queue: JobQueue, event: JobEvent, config: JobConfig, run_dir: Path, consumer: str,
                    argv: ServiceArgv, poll_s: float, stop_timeout_s: float) -> None:
-    from jetroll.services.launch.local import resolve_config
+    from jetroll.services.launch.run import resolve_config
 
     board = queue.board
     job_id = config.job_id

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from job_harness import SMOKE, Job, launch, stop
 from moto.server import ThreadedMotoServer
+from service_harness import build_model
 
 from jetroll.shared.config.job import load_config
 from jetroll.shared.warm_start import ensure_base_model
@@ -59,3 +61,11 @@ def start_job(tmp_path: Path, redis_url: str, model_path: str) -> Iterator[Calla
     yield start
     for job in jobs:
         stop(job)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Iterator[Path]:
+    """A random tiny model (service_harness.TINY) for services run in process."""
+    with tempfile.TemporaryDirectory(prefix="jetroll-staleness-model-") as tmp:
+        build_model(Path(tmp), seed=0)
+        yield Path(tmp)

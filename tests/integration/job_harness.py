@@ -149,10 +149,9 @@ def hold_streams(redis_url: str, job_id: str, *streams: str) -> None:
         client.close()
 
 
-def audit_ledger(redis_url: str, job_id: str, max_steps: int, groups_per_step: int, group_size: int,
-                 keep_groups: int = RedisConfig().ledger_keep_groups) -> LedgerTotals:
-    """Every admitted group recorded exactly once, trained (with all its samples) or dropped with a reason; none lost.
-    The ledger keeps the newest outcomes and counts every group in its totals."""
+def read_ledger(redis_url: str, job_id: str) -> tuple[int, dict[str, Outcome], LedgerTotals]:
+    """The job's admission counter, the outcomes its ledger keeps, and its totals."""
+
     async def read() -> tuple[int, dict[str, Outcome], LedgerTotals]:
         bus = RedisBus(redis_url, job_id)
         try:
@@ -162,7 +161,14 @@ def audit_ledger(redis_url: str, job_id: str, max_steps: int, groups_per_step: i
         finally:
             await bus.close()
 
-    num_admitted, outcomes, totals = asyncio.run(read())
+    return asyncio.run(read())
+
+
+def audit_ledger(redis_url: str, job_id: str, max_steps: int, groups_per_step: int, group_size: int,
+                 keep_groups: int = RedisConfig().ledger_keep_groups) -> LedgerTotals:
+    """Every admitted group recorded exactly once, trained (with all its samples) or dropped with a reason; none lost.
+    The ledger keeps the newest outcomes and counts every group in its totals."""
+    num_admitted, outcomes, totals = read_ledger(redis_url, job_id)
     # the prefix passes only recorded groups, so every admitted group reached the trainer's ledger
     assert totals.prefix == num_admitted + 1, f"admitted {num_admitted}, but group {totals.prefix} is not recorded"
     # and each was counted once: a second record of a group (a retrained copy) would count twice

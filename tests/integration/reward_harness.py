@@ -25,7 +25,7 @@ from jetroll.shared.tasks.registry import TASKS, register_task
 
 TESTS = Path(__file__).resolve().parents[1]
 REWARD_MODULES = ("reward_test_fns", "remote_reward_fns")
-REWARD_DIRS = (str(TESTS / "unit"), str(TESTS / "integration"))  # where REWARD_MODULES live
+REWARD_DIRS = (str(TESTS / "unit" / "reward"), str(TESTS / "integration"))  # where REWARD_MODULES live
 PYTHONPATH = ":".join(REWARD_DIRS)  # for worker subprocesses
 for _path in REWARD_DIRS:
     if _path not in sys.path:

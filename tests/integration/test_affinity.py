@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import redis
-from job_harness import hold_streams
-from test_staleness import TINY, build_model
+from job_harness import hold_streams, read_ledger
+from service_harness import TINY, build_model
 
-from jetroll.services.bench.async_ import launch_job, read_ledger
+from jetroll.services.launch.local import Launcher
+from jetroll.shared.config.job import validate_config
 from jetroll.shared.protocol.bus import FIELD
 from jetroll.shared.protocol.events import GroupEvent, TrajectoryEvent, decode
 
@@ -52,7 +53,11 @@ def run(model_dir: Path, root: Path, redis_url: str, slow_factor: float, fail_fr
     }
     root.mkdir(parents=True)
     hold_streams(redis_url, job_id, "groups:fast", "groups:slow", "traj:raw")
-    launch_job(tree, root, redis_url)
+    launcher = Launcher(validate_config(tree), root, redis_url, is_console=False)
+    try:
+        assert launcher.supervise() == 0, f"the job failed; see {root / 'logs'}"
+    finally:
+        launcher.stop()
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     first, window = rows[WARMUP - 1], rows[WARMUP:]
     window_s = window[-1]["time_s"] - first["time_s"]
@@ -101,7 +106,7 @@ def test_failing_environments_are_all_counted(model_dir: Path, redis_url: str, t
     failed_groups = {t.group_id for t in result["trajectories"]
                      if isinstance(t, TrajectoryEvent) and t.env_status != "ok"}
     summary = result["summary"]
-    ledger = read_ledger(redis_url, result["job_id"])
+    _, ledger, _ = read_ledger(redis_url, result["job_id"])
     dropped = {g for g, outcome in ledger.items() if outcome.status != "trained"}
     assert summary["steps"] == STEPS and dropped
     # every dropped group is counted under its status, and each one had a failed environment

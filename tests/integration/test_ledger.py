@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_staleness import job_config, model_dir, scored, stop, until  # noqa: F401 - fixture
+from service_harness import job_config, scored_sample, stop, until
 
 from jetroll.services.controller.controller import Controller
 from jetroll.services.trainer.trainer import Trainer
@@ -115,14 +115,15 @@ def test_trainer_acks_a_redelivered_copy_of_a_folded_group(model_dir: Path, redi
         trainer = Trainer(config, bus, setup_store(config.store, job, tmp_path), "trainer")
         task = asyncio.create_task(trainer.run())
         try:
-            await bus.publish_many("traj:scored", [scored(job, g, i, 0, [0, 0]) for g in (g1, g2) for i in range(2)])
+            await bus.publish_many("traj:scored", [scored_sample(job, g, i, 0, [0, 0])
+                                                   for g in (g1, g2) for i in range(2)])
 
             async def is_at_v2() -> bool:  # step 2 committed: its commit runs beside the next step
                 return bool(await trainer.ledger.recorded({g2}))
 
             await until(is_at_v2, task, "step 2")
             assert await trainer.ledger.outcomes() == {g2: Outcome(2, "trained", 2)}
-            await bus.publish_many("traj:scored", [scored(job, g, i, v, [v, v]) for g, v in ((g1, 0), (g3, 1))
+            await bus.publish_many("traj:scored", [scored_sample(job, g, i, v, [v, v]) for g, v in ((g1, 0), (g3, 1))
                                                    for i in range(2)])
             await asyncio.wait_for(task, timeout=60)
             totals = await trainer.ledger.totals()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from job_harness import Job, launch, service_logs, stop
-from test_staleness import TINY, build_model
+from service_harness import TINY, build_model
 
 from jetroll.services.controller.controller import Controller
 from jetroll.shared.config.job import validate_config

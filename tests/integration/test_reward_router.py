@@ -24,7 +24,7 @@ from jetroll.shared.protocol.topology import SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import TASKS, register_task
 
-UNIT_DIR = str(Path(__file__).parents[1] / "unit")
+UNIT_DIR = str(Path(__file__).parents[1] / "unit" / "reward")
 if UNIT_DIR not in sys.path:
     sys.path.insert(0, UNIT_DIR)  # spawned reward workers inherit sys.path and import reward_test_fns
 

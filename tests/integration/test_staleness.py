@@ -6,30 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tempfile
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import torch
-from factories import scored
-from factories import trajectory as make_trajectory
-from helpers import ended, wait_until_async
 from job_harness import hold_streams
+from service_harness import build_model, job_config, scored_sample, stop, until
 
 from jetroll.services.launch.local import Launcher
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.trainer import Trainer
-from jetroll.shared.config.job import JobConfig, validate_config
-from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.engine.engine import Engine
-from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
-from jetroll.shared.model.init import init_weights, model_args
-from jetroll.shared.model.model import CausalLM
+from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import (
@@ -44,60 +35,6 @@ from jetroll.shared.protocol.topology import IN_FLIGHT
 from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration
-
-TINY = ModelConfig(num_layers=1, intermediate_size=256)
-
-
-def build_model(directory: Path, seed: int, weight_scale: float = 1.0) -> None:
-    """A random tiny model; scaling every matrix up makes attention (so the KV cache) and the logits matter."""
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(seed)
-    model = CausalLM(model_args(TINY, tokenizer))
-    init_weights(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.mul_(weight_scale)
-    save_pretrained(model, tokenizer, directory)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="jetroll-staleness-model-") as tmp:
-        build_model(Path(tmp), seed=0)
-        yield Path(tmp)
-
-
-def job_config(model_dir: Path, run_dir: Path, **sections: Any) -> JobConfig:
-    tree: dict[str, Any] = {"job_id": f"s{uuid.uuid4().hex[:8]}", "eval": {"num_problems": 1},
-                            "model": {**TINY.model_dump(), "path": str(model_dir)},
-                            "store": {"root": str(run_dir / "store")}}
-    for name, fields in sections.items():
-        tree[name] = {**tree.get(name, {}), **fields} if isinstance(fields, dict) else fields
-    return validate_config(tree)
-
-
-def scored_sample(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int]) -> ScoredEvent:
-    n = len(v_tok)
-    traj = make_trajectory(f"{group}:{sample}", [8 + (i + sample) % 10 for i in range(n)], job_id=job_id,
-                           prompt_ids=[5, 6, 7], behavior_logprobs=-3.0, v_tok=v_tok, v_adm=v_adm)
-    return scored(traj, float(sample))
-
-
-async def until(predicate: Callable[[], Awaitable[bool]], task: asyncio.Task[None], what: str,
-                timeout_s: float = 60.0) -> None:
-    """Poll `predicate` while `task` runs; a dead task raises its error, a timeout names what never happened."""
-    await wait_until_async(predicate, what, timeout_s, interval_s=0.005, gone=ended(task))
-
-
-async def stop(task: asyncio.Task[None]) -> None:
-    """Cancel until it ends: on Python 3.11, asyncio.wait_for inside redis-py's socket writes (socket_timeout is 5 s
-    by default) drops a cancellation that races a finished write, and the service would run on."""
-    for _ in range(50):
-        task.cancel()
-        if (await asyncio.wait({task}, timeout=0.2))[0]:
-            return
-
 
 async def trainer_rows(bus: RedisBus) -> dict[int, dict[str, float]]:
     """The trainer's metrics so far, by step."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_staleness import build_model
+from service_harness import build_model
 
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from jetroll.services.launch.local import resolve_config
+from jetroll.services.launch.run import resolve_config
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.checkpoint import load_pretrained, read_weights

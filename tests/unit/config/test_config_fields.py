@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from jetroll.shared.config.job import JobConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("shared", "services", "functions")
 VALIDATORS = {"model_validator", "field_validator"}
 

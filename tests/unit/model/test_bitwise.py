@@ -24,7 +24,7 @@ from jetroll.shared.numerics import Precision
 
 TOKENIZER = build_char_tokenizer()
 SCORER = Path(__file__).with_name("bitwise_scorer.py")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

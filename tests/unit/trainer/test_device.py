@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_step import events_with_ratios, flat_parameters, groups_of, make_trainer, model_dir  # noqa: F401
+from trainer_harness import events_with_ratios, flat_parameters, groups_of, make_trainer
 
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.engine.engine import Engine

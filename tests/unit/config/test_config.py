@@ -9,7 +9,7 @@ import pytest
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
 SMOKE = CONFIGS[0].parent / "smoke.yaml"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # frees 320 MB of 8 MB tensors after a 20 MB free has raised glibc's dynamic mmap threshold above them
 SCRIPT = """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from chat_models import QWEN_TEMPLATE, bpe_model_dir
 
-from jetroll.services.launch.local import check_datasets
+from jetroll.services.launch.run import check_datasets
 from jetroll.shared.config.dataset import dataset_task
 from jetroll.shared.config.job import load_config, validate_config
 from jetroll.shared.errors import ConfigError
@@ -20,7 +20,7 @@ from jetroll.shared.tasks.dataset import DatasetError
 from jetroll.shared.tasks.registry import get_task
 from jetroll.shared.warm_start import config_hash
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:

@@ -24,7 +24,7 @@ from jetroll.shared.numerics import Precision
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import EnvStep
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TOKENIZER = build_char_tokenizer()
 TURN_END = TOKENIZER.encode("\n")[0]
 TURN = TOKENIZER.encode("12") + [TURN_END]  # what every model turn says (ScriptedEngine)

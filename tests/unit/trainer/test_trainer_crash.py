@@ -14,7 +14,7 @@ import pytest
 import torch
 from factories import scored
 from factories import trajectory as make_trajectory
-from test_trainer_step import flat_parameters, make_trainer, model_dir  # noqa: F401 - the fixture
+from trainer_harness import flat_parameters, make_trainer
 
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.model.tokenizer import build_char_tokenizer

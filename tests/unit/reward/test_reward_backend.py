@@ -12,7 +12,7 @@ from jetroll.shared.config.job import load_config
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.errors import ConfigError
 
-SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[3] / "configs" / "smoke.yaml"
 
 
 def test_backend_per_task() -> None:
