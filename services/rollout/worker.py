@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.interface import RolloutEngine, probe
-from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.engine.timing import TimingEngine
 from jetroll.shared.engine.turns import TurnRunner
 from jetroll.shared.engine.vllm import VllmEngine
@@ -249,10 +249,11 @@ class RolloutWorker:
         for request in finished:
             group_id, sample = request.request_id.rsplit(":", 1)
             flight = self.groups[group_id]
-            events.append(self._trajectory(flight.event, int(sample), request))
+            env = self._env_result(request.request_id)
+            events.append(self._trajectory(flight.event, int(sample), request, env))
             self.num_tokens += len(request.output_ids)
-            if request.env_status != "ok":
-                self.env_failures[request.env_status] += 1
+            if env.status != "ok":
+                self.env_failures[env.status] += 1
             flight.num_pending -= 1
             if flight.num_pending == 0:
                 done_groups.append(self.groups.pop(group_id))
@@ -267,7 +268,15 @@ class RolloutWorker:
                                  **{f"env_fail/{status}": n for status, n in self.env_failures.items()},
                                  "slot_s": (time.monotonic() - self.serving_since) * self.engine.max_batch})
 
-    def _trajectory(self, group: GroupEvent, sample: int, request: Request) -> TrajectoryEvent:
+    def _env_result(self, request_id: str) -> EnvResult:
+        """What the sample's environment reported: through the turn runner, or drawn by the timing model."""
+        if self.turns is not None:
+            return self.turns.env_result(request_id)
+        if isinstance(self.engine, TimingEngine):
+            return self.engine.env_result(request_id)
+        return EnvResult()
+
+    def _trajectory(self, group: GroupEvent, sample: int, request: Request, env: EnvResult) -> TrajectoryEvent:
         return TrajectoryEvent(
             job_id=group.job_id, traj_id=request.request_id, group_id=group.group_id, sample=sample,
             task=group.task, pool=group.pool, prompt=group.prompt, answer=group.answer,
@@ -280,8 +289,8 @@ class RolloutWorker:
             temperature=request.temperature, top_p=request.top_p,
             precision_id=self.precision_id,
             finish_reason="stop" if request.finish_reason == "stop" else "length",
-            env_status=request.env_status,
-            env_reward=request.env_reward,
+            env_status=env.status,
+            env_reward=env.reward,
             worker=self.consumer,
             timings={"finished_at": time.time()},
         )

@@ -1,4 +1,5 @@
-"""A request: one sample for an engine to generate, and what generating it recorded."""
+"""A request: one sample for an engine to generate, and what generating it recorded; and what its environment
+reported, which the engine never reads."""
 
 from __future__ import annotations
 
@@ -19,10 +20,8 @@ class Request:
     logprobs: list[float] = field(default_factory=list)  # mu_t = log_softmax(logits / T)[token], untruncated
     versions: list[int] = field(default_factory=list)  # weight version that produced each token
     finish_reason: str | None = None
-    env_status: str = "ok"  # the environment's outcome; anything else makes the reward router record env_fail
     turn_end_id: int | None = None  # multi-turn: this token ends a model turn and pauses the sequence
     observations: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of env tokens in output_ids
-    env_reward: float | None = None  # the environment's own reward, when it gives one
     sampling_key: int = field(default=0, init=False)  # set by Engine.add: its seed and request_id, hashed
 
     def __post_init__(self) -> None:
@@ -42,6 +41,15 @@ class Request:
         for start, length in self.observations:
             mask[start : start + length] = [0] * length
         return mask
+
+
+@dataclass(frozen=True, slots=True)
+class EnvResult:
+    """What a sample's environment reported: its status (anything but `ok` makes the reward router record env_fail)
+    and its own reward, when it gave one."""
+
+    status: str = "ok"
+    reward: float | None = None
 
 
 def has_room_after(request: Request, observation_ids: list[int], max_len: int) -> bool:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from jetroll.shared.config.rollout import TimingEngineConfig
-from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS
 
 MAX_CHUNKS_PER_STEP = 8  # a step sleeps at most this long, so the worker swaps weights and refills slots promptly
@@ -67,6 +67,7 @@ class TimingEngine:
         self.paused: list[Request] = []  # the engine's multi-turn seam; the timing model has no environments
         self.draws: dict[str, Draw] = {}
         self.finished: list[Request] = []
+        self.env_results: dict[str, EnvResult] = {}  # the samples whose drawn environment failed
         self.clock = time.monotonic()  # the last chunk boundary
 
     @property
@@ -96,6 +97,10 @@ class TimingEngine:
             self._advance(time.monotonic())
         finished, self.finished = self.finished, []
         return finished
+
+    def env_result(self, request_id: str) -> EnvResult:
+        """The drawn environment outcome of a finished sample: `error` for a failed one (taken: asked once)."""
+        return self.env_results.pop(request_id, EnvResult())
 
     def swap_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool = True) -> None:
         """Swap at the current chunk boundary: the chunks before it were decoded with the old version (there is no
@@ -131,5 +136,6 @@ class TimingEngine:
         request.output_ids = ids.tolist()
         request.logprobs = (-rng.exponential(1.0, fate.num_tokens)).tolist()
         request.finish_reason = "length" if is_length else "stop"
-        request.env_status = "error" if fate.is_env_fail else "ok"
+        if fate.is_env_fail:
+            self.env_results[request.request_id] = EnvResult("error")
         self.finished.append(request)

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from jetroll.shared.engine.interface import TurnEngine
-from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, call_env
@@ -28,6 +28,8 @@ class Episode:
     env: Environment
     turn_start: int = 0  # where the current model turn starts in request.output_ids
     is_started: bool = False  # reset succeeded and the request went to the engine
+    status: str = "ok"  # the environment's, once a call failed after its retries
+    reward: float | None = None  # the environment's own, from its latest step that gave one
 
 
 class TurnRunner:
@@ -39,6 +41,7 @@ class TurnRunner:
         self.episodes: dict[str, Episode] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.ready: list[tuple[Episode, str, EnvOutcome]] = []  # (episode, "reset" | "step", outcome)
+        self.env_results: dict[str, EnvResult] = {}  # episodes that ended, until `env_result` takes theirs
         self.wakeup = asyncio.Event()
 
     @property
@@ -66,7 +69,7 @@ class TurnRunner:
             if episode is None:
                 done.append(request)
             elif request.finish_reason == "length":
-                del self.episodes[request.request_id]
+                self._end(episode)
                 done.append(request)
             else:
                 turn_ids = request.output_ids[episode.turn_start :]
@@ -84,11 +87,11 @@ class TurnRunner:
             request = episode.request
             observation_ids = None
             if outcome.status == "ok" and kind == "step":
-                observation_ids, outcome = self._observation(request, outcome)
+                observation_ids, outcome = self._observation(episode, outcome)
             if outcome.status != "ok":
                 log.warning("environment %s of %s failed after %d attempts: %s", kind, request.request_id,
                             outcome.attempts, outcome.error)
-                request.env_status = outcome.status
+                episode.status = outcome.status
             elif kind == "reset":
                 episode.is_started = True
                 self.engine.add([request])
@@ -101,9 +104,18 @@ class TurnRunner:
             if request in self.engine.paused:
                 self.engine.finish(request)
             request.finish_reason = request.finish_reason or "stop"  # a reset that failed
-            del self.episodes[request.request_id]
+            self._end(episode)
             ended.append(request)
         return ended
+
+    def env_result(self, request_id: str) -> EnvResult:
+        """What the environment of an ended episode reported, `ok` for a single-turn sample (taken: asked once, by
+        whoever emits the sample)."""
+        return self.env_results.pop(request_id, EnvResult())
+
+    def _end(self, episode: Episode) -> None:
+        del self.episodes[episode.request.request_id]
+        self.env_results[episode.request.request_id] = EnvResult(episode.status, episode.reward)
 
     async def wait(self, timeout_s: float) -> None:
         """Until an environment call finishes (or `timeout_s`)."""
@@ -117,13 +129,13 @@ class TurnRunner:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    def _observation(self, request: Request, outcome: EnvOutcome) -> tuple[list[int] | None, EnvOutcome]:
+    def _observation(self, episode: Episode, outcome: EnvOutcome) -> tuple[list[int] | None, EnvOutcome]:
         """(observation ids, or None when the episode is done; the outcome, `error` for a malformed step)."""
         step = outcome.value
         if not isinstance(step, EnvStep):
             return None, EnvOutcome("error", None, outcome.attempts, f"step returned {type(step).__name__}")
         if step.reward is not None:
-            request.env_reward = step.reward
+            episode.reward = step.reward
         try:
             return (None if step.done else self.tokenizer.encode(step.observation)), outcome
         except Exception as exc:  # text the vocabulary cannot spell is the environment's fault

@@ -7,6 +7,7 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.engine.engine import Engine
-from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.engine.turns import TurnRunner, run_episodes
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
@@ -95,25 +96,36 @@ def episode_requests(n: int, max_new_tokens: int = 40) -> list[Request]:
     return [Request(f"r{i}", TOKENIZER.encode(f"{i}*{i + 3}="), max_new_tokens, turn_end_id=TURN_END) for i in range(n)]
 
 
+@dataclass
+class Ran:
+    finished_at: dict[str, float]  # each request's finish time
+    env: dict[str, EnvResult]  # what each episode's environment reported, as the worker takes it
+
+
 def run(engine: Engine, requests: list[Request], envs: list[ScriptedEnv], timeout_s: float = 5.0,
-        tokenizer: Tokenizer = TOKENIZER) -> dict[str, float]:
-    """Run the episodes; returns each request's finish time."""
-    finished_at: dict[str, float] = {}
+        tokenizer: Tokenizer = TOKENIZER) -> Ran:
+    """Run the episodes."""
+    ran = Ran({}, {})
 
     async def main() -> None:
         runner = TurnRunner(engine, tokenizer, timeout_s)
         for request, env in zip(requests, envs, strict=True):
             runner.start(request, env, PROBLEM)
+        def stamp(ended: list[Request]) -> None:
+            for request in ended:
+                ran.finished_at[request.request_id] = time.monotonic()
+                ran.env[request.request_id] = runner.env_result(request.request_id)
+
         while engine.has_work or runner.num_pending:  # run_episodes, stamping finish times
-            finished_at.update((r.request_id, time.monotonic()) for r in runner.apply())
+            stamp(runner.apply())
             if engine.has_work:
-                finished_at.update((r.request_id, time.monotonic()) for r in runner.on_step(engine.step()))
+                stamp(runner.on_step(engine.step()))
                 await asyncio.sleep(0)
             elif runner.num_pending and not runner.ready:
                 await runner.wait(1.0)
 
     asyncio.run(main())
-    return finished_at
+    return ran
 
 
 def full_logprobs(model: CausalLM, request: Request) -> torch.Tensor:
@@ -134,11 +146,11 @@ def test_observations_are_masked_tagged_and_continued_from_the_kv_cache() -> Non
     engine = ScriptedEngine(model, TOKENIZER.eos_id, max_batch=2, max_len=64)
     engine.version = 3
     requests, envs = episode_requests(2), [ScriptedEnv(), ScriptedEnv()]
-    run(engine, requests, envs)
+    ran = run(engine, requests, envs)
     for request, env in zip(requests, envs, strict=True):
         assert TOKENIZER.decode(request.output_ids) == "12\n= 1\n12\n"
-        assert env.turns == ["12", "12"] and request.env_reward == 0.5
-        assert request.finish_reason == "stop" and request.env_status == "ok"
+        assert env.turns == ["12", "12"] and ran.env[request.request_id] == EnvResult("ok", 0.5)
+        assert request.finish_reason == "stop"
         assert request.observations == [(3, 4)]
         assert request.loss_mask == [1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
         assert request.logprobs[3:7] == [0.0] * 4 and request.versions == [3] * 10
@@ -197,13 +209,14 @@ def test_slow_environment_pauses_only_its_sequence() -> None:
     engine = ScriptedEngine(model, TOKENIZER.eos_id, max_batch=3, max_len=64)
     requests = episode_requests(6)
     envs = [ScriptedEnv(delay_s=1.0)] + [ScriptedEnv() for _ in range(5)]
-    finished_at = run(engine, requests, envs)
+    ran = run(engine, requests, envs)
+    finished_at = ran.finished_at
     slow_answered = envs[0].answered_at[0]
     # the five others took turns in the two slots the paused sequence left, all before its environment answered
     assert all(finished_at[r.request_id] < slow_answered for r in requests[1:])
     assert finished_at["r0"] > envs[0].answered_at[-1]
     for request in requests:
-        assert TOKENIZER.decode(request.output_ids) == "12\n= 1\n12\n" and request.env_status == "ok"
+        assert TOKENIZER.decode(request.output_ids) == "12\n= 1\n12\n" and ran.env[request.request_id].status == "ok"
         assert_policy_logprobs_match(model, request)
 
 
@@ -218,21 +231,22 @@ def test_a_failing_environment_ends_its_trajectory_with_a_status(env: ScriptedEn
     engine = ScriptedEngine(model, TOKENIZER.eos_id, max_batch=2, max_len=64)
     requests = episode_requests(4)
     started = time.monotonic()
-    finished_at = run(engine, requests, [env] + [ScriptedEnv() for _ in range(3)], timeout_s=0.2)
+    ran = run(engine, requests, [env] + [ScriptedEnv() for _ in range(3)], timeout_s=0.2)
+    finished_at = ran.finished_at
     failed = requests[0]
-    assert failed.env_status == status and failed.finish_reason == "stop"
+    assert ran.env["r0"].status == status and failed.finish_reason == "stop"
     assert TOKENIZER.decode(failed.output_ids) == ("" if env.is_reset_failing else "12\n")
     assert finished_at["r0"] - started < 2.0  # two attempts of 0.2 s, not the 60 s hang
     for request in requests[1:]:
-        assert TOKENIZER.decode(request.output_ids) == "12\n= 1\n12\n" and request.env_status == "ok"
+        assert TOKENIZER.decode(request.output_ids) == "12\n= 1\n12\n" and ran.env[request.request_id].status == "ok"
     assert not engine.paused and not engine.running and engine.num_free_slots == 2
 
 
 def test_one_retry_hides_a_single_failure() -> None:
     engine = ScriptedEngine(tiny_model(), TOKENIZER.eos_id, max_batch=2, max_len=64)
     requests, envs = episode_requests(1), [ScriptedEnv(num_failures=1)]
-    run(engine, requests, envs, timeout_s=0.2)
-    assert requests[0].env_status == "ok" and TOKENIZER.decode(requests[0].output_ids) == "12\n= 1\n12\n"
+    ran = run(engine, requests, envs, timeout_s=0.2)
+    assert ran.env["r0"].status == "ok" and TOKENIZER.decode(requests[0].output_ids) == "12\n= 1\n12\n"
 
 
 def test_observation_past_the_budget_ends_the_episode_as_length() -> None:
