@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.engine.request import Request, has_room_after
+from jetroll.shared.engine.request import Request
 from jetroll.shared.engine.sampler import choose_tokens, token_logprobs
 from jetroll.shared.engine.slots import SlotTable
 from jetroll.shared.model import decode_attention
@@ -132,9 +132,6 @@ class Engine:
         """Continue a paused sequence with its environment's observation (loss_mask 0, log-prob 0, tagged with the
         version that appends it); the next step prefills it after the sequence's cached positions."""
         assert request in self.paused and request.request_id not in self.resuming
-        if not has_room_after(request, observation_ids, self.max_len):
-            self.finish(request, "length")
-            return
         self.resuming[request.request_id] = observation_ids
 
     def finish(self, request: Request, reason: str = "stop") -> None:
@@ -151,10 +148,7 @@ class Engine:
             slot = len(self.running)
             self.slots.take_paused(request, to_slot=slot)
             self.running.append(request)
-            request.observations.append((len(request.output_ids), len(observation)))
-            request.output_ids += observation
-            request.logprobs += [0.0] * len(observation)
-            request.versions += [self.version] * len(observation)
+            request.append_observation(observation, self.version)
             ids = (request.prompt_ids + request.output_ids)[start:]
             hidden = self.model.hidden(self._tensor([ids]), self._arange(start, start + len(ids)), self.cache,
                                        slot=slot)

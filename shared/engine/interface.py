@@ -42,7 +42,8 @@ class RolloutEngine(Protocol):
 class TurnEngine(RolloutEngine, Protocol):
     """An engine that runs multi-turn episodes: a sequence that ends a turn pauses until `resume` or `finish`."""
 
-    def resume(self, request: Request, observation_ids: list[int]) -> None: ...
+    def resume(self, request: Request, observation_ids: list[int]) -> None:
+        """Continue a paused sequence with an observation that fits (`has_room_after`; the caller checks)."""
 
     def finish(self, request: Request, reason: str = "stop") -> None: ...
 

@@ -42,6 +42,13 @@ class Request:
             mask[start : start + length] = [0] * length
         return mask
 
+    def append_observation(self, observation_ids: list[int], version: int) -> None:
+        """Append an environment's observation after a model turn: loss_mask 0, log-prob 0, tagged `version`."""
+        self.observations.append((len(self.output_ids), len(observation_ids)))
+        self.output_ids += observation_ids
+        self.logprobs += [0.0] * len(observation_ids)
+        self.versions += [version] * len(observation_ids)
+
 
 @dataclass(frozen=True, slots=True)
 class EnvResult:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from jetroll.shared.engine.interface import TurnEngine
-from jetroll.shared.engine.request import EnvResult, Request
+from jetroll.shared.engine.request import EnvResult, Request, has_room_after
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, call_env
@@ -97,10 +97,11 @@ class TurnRunner:
                 self.engine.add([request])
                 continue
             if observation_ids is not None and request.finish_reason is None:
-                episode.turn_start = len(request.output_ids) + len(observation_ids)
-                self.engine.resume(request, observation_ids)
-                if request.finish_reason is None:
+                if has_room_after(request, observation_ids, self.engine.max_len):
+                    episode.turn_start = len(request.output_ids) + len(observation_ids)
+                    self.engine.resume(request, observation_ids)
                     continue
+                self.engine.finish(request, "length")
             if request in self.engine.paused:
                 self.engine.finish(request)
             request.finish_reason = request.finish_reason or "stop"  # a reset that failed

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from jetroll.shared.engine.interface import error_line
-from jetroll.shared.engine.request import Request, has_room_after
+from jetroll.shared.engine.request import Request
 from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.seeds import derive_seed
@@ -216,9 +216,6 @@ class VllmEngine:
         """Continue a paused sequence with its environment's observation (loss_mask 0, log-prob 0, tagged with the
         version that appends it) at the next step."""
         assert request in self.paused and request.request_id not in self.resuming
-        if not has_room_after(request, observation_ids, self.max_len):
-            self.finish(request, "length")
-            return
         self.resuming[request.request_id] = observation_ids
 
     def finish(self, request: Request, reason: str = "stop") -> None:
@@ -228,10 +225,7 @@ class VllmEngine:
 
     def _append(self, request: Request, observation: list[int]) -> None:
         self.paused.remove(request)
-        request.observations.append((len(request.output_ids), len(observation)))
-        request.output_ids += observation
-        request.logprobs += [0.0] * len(observation)
-        request.versions += [self.version] * len(observation)
+        request.append_observation(observation, self.version)
         self._submit(request)
 
     def _submit(self, request: Request) -> None:
