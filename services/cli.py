@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"jetroll: {args.command} interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `jetroll config | head`: the reader left; say nothing and skip the flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -31,6 +31,13 @@ def trajectory(traj_id: str = "g1:0", completion_ids: Sequence[int] = (9, 1), *,
         temperature=1.0, top_p=1.0, precision_id="p", finish_reason="stop", **fields)
 
 
+def sample_with_versions(group: str, sample: int, v_tok: list[int], v_adm: int = 0, task: str = "arithmetic",
+                         loss_mask: list[int] | None = None, group_size: int = 2) -> TrajectoryEvent:
+    """Sample `sample` of `group`, one completion token per entry of `v_tok` (the version that sampled it)."""
+    return trajectory(f"{group}:{sample}", [5] * len(v_tok), task=task, prompt_ids=[3, 4], behavior_logprobs=-1.0,
+                      v_tok=v_tok, loss_mask=loss_mask, v_adm=v_adm, group_size=group_size)
+
+
 def scored(traj: TrajectoryEvent, reward: float = 1.0, **fields: Any) -> ScoredEvent:
     """`traj` scored `ok` by the local backend."""
     return ScoredEvent(**{"job_id": traj.job_id, "trajectory": traj, "reward": reward, "status": "ok",

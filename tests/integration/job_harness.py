@@ -21,6 +21,7 @@ from helpers import JETROLL, T, wait_until
 
 from jetroll.shared.config.launch import RedisConfig
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.events import AnyEvent, decode
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.protocol.ledger import Ledger, LedgerTotals, Outcome
 
@@ -136,6 +137,28 @@ def kill_service(job: Job, kind: str, not_pid: int | None = None) -> int:
     assert isinstance(pids, list) and len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]
+
+
+def celery_worker_pids(job_id: str) -> list[int]:
+    """Live processes (worker and pool children) of the job's launched Celery worker."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if b"jetroll.functions.celery_app" in args and f"jetroll-{job_id}-".encode() in args:
+            pids.append(int(entry.name))
+    return pids
+
+
+def scored_events(redis_url: str, job_id: str) -> list[AnyEvent]:
+    """Every event the job's `traj:scored` holds (tests hold the stream untrimmed with `hold_streams`)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [decode(fields[b"e"]) for _, fields in client.xrange(f"jetroll:{job_id}:traj:scored")]
+    finally:
+        client.close()
 
 
 def hold_streams(redis_url: str, job_id: str, *streams: str) -> None:

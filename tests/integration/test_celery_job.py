@@ -9,42 +9,21 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 from job_harness import (
     audit_ledger,
+    celery_worker_pids,
     check_summary,
     hold_streams,
     launch,
+    scored_events,
     service_logs,
     stop,
 )
 
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.shared.protocol.events import AnyEvent, ScoredEvent, decode
+from jetroll.shared.protocol.events import ScoredEvent
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def celery_worker_pids(job_id: str) -> list[int]:
-    """Live processes (worker and pool children) of the job's launched Celery worker."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            args = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue
-        if b"jetroll.functions.celery_app" in args and f"jetroll-{job_id}-".encode() in args:
-            pids.append(int(entry.name))
-    return pids
-
-
-def scored_events(redis_url: str, job_id: str) -> list[AnyEvent]:
-    """Every event the job's `traj:scored` holds (tests hold the stream untrimmed with `hold_streams`)."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return [decode(fields[b"e"]) for _, fields in client.xrange(f"jetroll:{job_id}:traj:scored")]
-    finally:
-        client.close()
 
 
 def test_smoke_job_with_celery_rewards(tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811

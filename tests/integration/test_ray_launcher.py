@@ -25,8 +25,10 @@ from job_harness import (
     SMOKE,
     Job,
     audit_ledger,
+    celery_worker_pids,
     check_summary,
     hold_streams,
+    scored_events,
     service_logs,
     stop,
 )
@@ -177,8 +179,6 @@ def test_ray_launcher_restarts_a_dead_celery_worker(ray_cluster: str, tmp_path: 
     """The Celery reward worker beside the driver is supervised as a local service is: SIGKILLed (its whole group)
     mid-job, it is restarted, and every trajectory is still scored `ok` by Celery. The tasks the dead worker held come
     back after the visibility timeout, shortened here to 20 s (above the 10 s hard limit)."""
-    from test_celery_job import celery_worker_pids, scored_events
-
     job_id = f"r{uuid.uuid4().hex[:8]}"
     hold_streams(redis_url, job_id, "traj:scored")
     run_dir = tmp_path / job_id

@@ -174,3 +174,16 @@ def test_no_service_loads_another_even_transitively() -> None:
         run = subprocess.run([sys.executable, "-c", code, service], capture_output=True, text=True, timeout=180,
                              check=True)
         assert run.stdout.split() == [service], (service, run.stdout)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in helper modules (factories, harnesses), so a test module can move or go alone."""
+    test_modules = {path.stem for path in (ROOT / "tests").rglob("test_*.py")}
+    offenders = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{path.relative_to(ROOT)}: {name}" for name in names
+                          if name.rsplit(".", 1)[-1] in test_modules]
+    assert len(test_modules) > 50 and offenders == []

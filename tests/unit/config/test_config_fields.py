@@ -19,6 +19,7 @@ import typing
 from collections.abc import Iterator
 from pathlib import Path
 
+from config_tree import config_classes, models_in
 from pydantic import BaseModel
 
 from jetroll.shared.config.job import JobConfig
@@ -33,37 +34,12 @@ ALLOWED_UNREAD: dict[str, str] = {
 }
 
 
-def _models_in(annotation: object) -> list[tuple[type[BaseModel], bool]]:
-    """The config classes an annotation holds, each with whether it is a list's element."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [(annotation, False)]
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:  # a tagged member of a discriminated union, or the union itself
-        return _models_in(args[0])
-    if origin is list:
-        return [(cls, True) for cls, _ in _models_in(args[0])]
-    if origin in (typing.Union, types.UnionType):
-        return [found for arg in args for found in _models_in(arg)]
-    return []
-
-
-def config_classes(root: type[BaseModel] = JobConfig) -> dict[str, type[BaseModel]]:
-    found: dict[str, type[BaseModel]] = {}
-    todo = [root]
-    while todo:
-        cls = todo.pop()
-        if cls.__name__ not in found:
-            found[cls.__name__] = cls
-            todo += [sub for f in cls.model_fields.values() for sub, _ in _models_in(f.annotation)]
-    return found
-
-
 def dotted_fields(cls: type[BaseModel] = JobConfig, prefix: str = "",
                   path: tuple[type, ...] = ()) -> Iterator[tuple[str, str, str]]:
     """(dotted path, owning class, field) of every field; a class already on the path is not entered again."""
     for name, info in cls.model_fields.items():
         yield prefix + name, cls.__name__, name
-        for sub, _ in _models_in(info.annotation):
+        for sub, _ in models_in(info.annotation):
             if sub not in path and sub is not cls:
                 yield from dotted_fields(sub, f"{prefix}{name}.", (*path, cls))
 
@@ -73,7 +49,7 @@ class FieldReads:
 
     def __init__(self, classes: dict[str, type[BaseModel]]) -> None:
         self.field_types: dict[str, dict[str, set[str]]] = {
-            name: {f: {("list:" if is_list else "") + sub.__name__ for sub, is_list in _models_in(info.annotation)}
+            name: {f: {("list:" if is_list else "") + sub.__name__ for sub, is_list in models_in(info.annotation)}
                    for f, info in cls.model_fields.items()} for name, cls in classes.items()}
         self.method_types: dict[str, dict[str, set[str]]] = {name: {} for name in classes}
         for name, cls in classes.items():
@@ -81,7 +57,7 @@ class FieldReads:
                 function = member.fget if isinstance(member, property) else member
                 if isinstance(function, types.FunctionType) and not attr.startswith("__"):
                     returned = typing.get_type_hints(function, vars(sys.modules[cls.__module__])).get("return")
-                    self.method_types[name][attr] = {sub.__name__ for sub, _ in _models_in(returned)}
+                    self.method_types[name][attr] = {sub.__name__ for sub, _ in models_in(returned)}
         self.function_types: dict[str, set[str]] = {}
         # by where they happen: None outside config classes, else (config class, method); a method's reads count
         # once the method itself is used

@@ -4,9 +4,12 @@ validate it."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
-from test_config_fields import _models_in, config_classes
+from config_tree import config_classes, models_in
 
 from jetroll.services.cli import main
 from jetroll.shared.config.reference import field_docs
@@ -18,7 +21,7 @@ def test_every_leaf_field_of_every_config_class_is_listed_with_a_description() -
     docs = field_docs()
     listed = {(doc.section, doc.path.rsplit(".", 1)[-1]) for doc in docs}
     leaves = {(name, field) for name, cls in config_classes().items() for field, info in cls.model_fields.items()
-              if not _models_in(info.annotation)}
+              if not models_in(info.annotation)}
     assert len(leaves) > 100 and leaves <= listed, sorted(leaves - listed)
     assert [doc.path for doc in docs if not doc.description] == []
 
@@ -48,3 +51,12 @@ def test_the_cli_lists_a_section_and_refuses_an_unknown_one(capsys: pytest.Captu
         main(["config", "trainers"])
     assert exited.value.code == 2
     assert "no config field under 'trainers'; sections: eval, job_id," in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_ends_the_listing_quietly() -> None:
+    """`jetroll config | head`: the pipe closes before the listing is written; no traceback, the SIGPIPE exit code."""
+    listing = subprocess.Popen([sys.executable, "-m", "jetroll.services.cli", "config"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    listing.stdout.close()  # before the CLI has imported its config classes, so its first write finds no reader
+    _, err = listing.communicate(timeout=120)
+    assert listing.returncode == 128 + signal.SIGPIPE and b"Traceback" not in err, err.decode()[-2000:]

@@ -6,7 +6,8 @@ import random
 from collections import Counter
 
 import pytest
-from test_staleness_stats import scored, trajectory
+from factories import sample_with_versions as trajectory
+from factories import scored
 
 from jetroll.services.controller.routing import route_tasks, task_profile
 from jetroll.shared.config.job import load_config

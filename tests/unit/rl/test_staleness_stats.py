@@ -6,23 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factories import sample_with_versions as trajectory
 from factories import scored
-from factories import trajectory as make_trajectory
 
 from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
 from jetroll.shared.config.rollout import TimingEngineConfig
-from jetroll.shared.protocol.events import TrajectoryEvent
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.rl.admission import Admission
 from jetroll.shared.rl.batch import GroupBuffer, collate
 from jetroll.shared.rl.staleness import staleness_stats
-
-
-def trajectory(group: str, sample: int, v_tok: list[int], v_adm: int = 0, task: str = "arithmetic",
-               loss_mask: list[int] | None = None, group_size: int = 2) -> TrajectoryEvent:
-    return make_trajectory(f"{group}:{sample}", [5] * len(v_tok), task=task, prompt_ids=[3, 4],
-                           behavior_logprobs=-1.0, v_tok=v_tok, loss_mask=loss_mask, v_adm=v_adm,
-                           group_size=group_size)
 
 
 def test_staleness_stats_lags_masks_and_histogram() -> None:
