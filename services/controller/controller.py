@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from pathlib import Path
 
@@ -31,7 +30,6 @@ from jetroll.shared.protocol.validate import (
     expecting,
 )
 from jetroll.shared.rl.admission import Admission, in_flight_caps
-from jetroll.shared.seeds import derive_seed
 from jetroll.shared.store.base import WeightStore, WeightStoreError
 from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.registry import get_task
@@ -173,14 +171,11 @@ class Controller:
         events = []
         first = self.admission.num_admitted + 1
         for index in range(first, first + num):
-            # group `index`'s draws are its own: a restarted controller draws the same problem for it
-            rng = random.Random(derive_seed(self.config.seed, "problem", index))
-            name = self.admission.pick_task(in_flight, rng)
-            if name is None:  # every task is at its in-flight cap
+            drawn = self.admission.draw(self.config.seed, index, in_flight)
+            if drawn is None:  # every task is at its in-flight cap
                 break
-            in_flight[name] = in_flight.get(name, 0) + 1
-            task = get_task(name)
-            problem = task.sample(rng, index)
+            task, problem = drawn
+            in_flight[task.name] = in_flight.get(task.name, 0) + 1
             events.append(GroupEvent(
                 job_id=self.config.job_id, group_id=group_id(index), task=task.name,
                 pool=self.pool_of_task[task.name], prompt=problem.prompt,

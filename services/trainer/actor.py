@@ -11,7 +11,7 @@ from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import PendingGroup, TokenBatch, collate
 from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
 from jetroll.shared.rl.mismatch import mismatch_stats, one_version_tokens
-from jetroll.shared.rl.schedule import cosine_lr
+from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.rl.staleness import fresh_tokens
 from jetroll.shared.tasks.registry import get_task
 
@@ -58,10 +58,7 @@ class Actor:
     def lr(self, version: int) -> float:
         """The learning rate of the step that makes `version + 1`: a pure function of the version, so a resumed run
         picks the schedule up."""
-        cfg = self.config.trainer
-        decay_start = cfg.max_steps if cfg.lr_schedule == "constant" else round(cfg.max_steps * (1 - cfg.lr_decay_frac))
-        return cosine_lr(version, cfg.max_steps, cfg.lr, warmup_steps=cfg.warmup_steps,
-                         final_ratio=cfg.lr_final_ratio, hold_steps=max(0, decay_start - cfg.warmup_steps))
+        return trainer_lr(self.config.trainer, version)
 
     def _loss_denominator(self, batch: TokenBatch, loss_mask: torch.Tensor) -> float:
         budgets = [self.config.rollout.sample_budget(get_task(task).max_new_tokens) for task in batch.tasks]

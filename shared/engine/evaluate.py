@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.functions.runner import get_reward
-from jetroll.shared.config.job import validate_config
+from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
 from jetroll.shared.engine.turns import TurnRunner, run_episodes
@@ -87,6 +87,15 @@ def evaluate(
                               prompts) for name in task_names}
 
 
+def score_model_dir(directory: Path, config: JobConfig, problems: dict[str, list[Problem]]) -> dict[str, float]:
+    """The held-out accuracy per task of the HF-format model in `directory`, loaded and prompted as `config`'s job
+    loads and prompts its weights."""
+    model, tokenizer = load_pretrained(directory, config.precision.numerics())
+    prompts = PromptFormat.of(config.model, tokenizer)
+    return {name: accuracy_on(model, tokenizer, get_task(name), task_problems, prompts=prompts)
+            for name, task_problems in problems.items()}
+
+
 async def score_run(run_dir: Path, versions: Sequence[int] | None = None,
                     num_problems: int | None = None) -> list[dict[str, Any]]:
     """`jetroll eval`: score a job's published weight versions again, as its controller scored them (its config's
@@ -116,10 +125,7 @@ async def score_run(run_dir: Path, versions: Sequence[int] | None = None,
     rows = []
     for version in versions:
         started = time.perf_counter()
-        model, tokenizer = load_pretrained(await store.fetch(version), config.precision.numerics())
-        prompts = PromptFormat.of(config.model, tokenizer)
-        accuracy = {name: accuracy_on(model, tokenizer, get_task(name), problems[name], prompts=prompts)
-                    for name in problems}
+        accuracy = score_model_dir(await store.fetch(version), config, problems)
         rows.append({"version": version, **accuracy, "num_problems": {n: len(p) for n, p in problems.items()}})
         print(f"jetroll eval: v{version}: {accuracy} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
               flush=True)

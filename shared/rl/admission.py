@@ -7,6 +7,9 @@ import random
 from dataclasses import dataclass, field
 
 from jetroll.shared.config.job import JobConfig
+from jetroll.shared.seeds import derive_seed
+from jetroll.shared.tasks.base import Problem, Task
+from jetroll.shared.tasks.registry import get_task
 
 
 def task_shares(config: JobConfig) -> dict[str, float]:
@@ -34,6 +37,8 @@ def in_flight_caps(config: JobConfig) -> dict[str, int]:
 
 @dataclass(slots=True)
 class Admission:
+    """The bound on admitted groups, and what each group draws."""
+
     groups_per_step: int
     eta: int
     max_steps: int
@@ -56,3 +61,14 @@ class Admission:
         if not names:
             return None
         return rng.choices(names, weights=[self.task_weights[n] for n in names])[0]
+
+    def draw(self, job_seed: int, index: int, in_flight: dict[str, int]) -> tuple[Task, Problem] | None:
+        """Group `index`'s task and problem (None: every task is at its in-flight cap). Its draws are its own, a pure
+        function of the job's seed and the index: a restarted controller, or a peer's run of the same job, draws the
+        same problem for it."""
+        rng = random.Random(derive_seed(job_seed, "problem", index))
+        name = self.pick_task(in_flight, rng)
+        if name is None:
+            return None
+        task = get_task(name)
+        return task, task.sample(rng, index)

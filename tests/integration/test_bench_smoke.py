@@ -214,3 +214,49 @@ def test_bench_chaos_json_smoke_and_resume(tmp_path: Path) -> None:
     assert "died" not in (tmp_path / "bench" / "seed3-fault-free0" / "job.log").read_text()
     assert again["summary"]["fault_free_mean"] == clean["accuracy_after"]
     assert again["summary"]["faulted_minus_mean"] == row["accuracy_after"] - clean["accuracy_after"]
+
+
+PEERS_SMOKE = ["bench", "peers", "--json", "--steps", "6", "--seeds", "1,", "--kernels", "native", "--eval-every", "3",
+               "--eval-problems", "20", "--probe-steps", "4", "--set", "model.num_layers=1",
+               "--set", "model.warm_start.max_steps=4", "--set", "model.warm_start.target_band=null",
+               "--set", "model.warm_start.probe_problems=20", "--set", "eval.num_problems=20",
+               "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2", "--set", "rollout.compile=false"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_peers_json_smoke_and_resume(tmp_path: Path) -> None:
+    """6 steps of a 1-layer job in jetroll and in TRL's GRPOTrainer from one base: both sides' clocks, CPU samples
+    and evaluations come back, the same base scores the same on both, and a second call runs nothing again."""
+    cmd = [*JETROLL, *PEERS_SMOKE, "--run-dir", str(tmp_path / "bench")]
+    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
+    rows = first["rows"]
+    assert [(r["side"], r["kernel"], r["seed"]) for r in rows] == [("jetroll", "native", 1), ("trl", "native", 1)]
+    probe = first["trl_thread_probes"]["native"]
+    assert set(probe["s_per_step"]) == {"1", "2"} and rows[1]["threads"] == int(min(probe["s_per_step"],
+                                                                                      key=probe["s_per_step"].get))
+    for row in rows:
+        assert row["steps"] == 6 and [step for step, _ in row["evals"]] == [0, 3, 6]
+        assert row["s_per_step"] > 0 and row["completions_per_s"] > 0 and row["tokens_per_s"] > 0
+        assert row["final"] == row["evals"][-1][1]
+    assert rows[0]["evals"][0] == rows[1]["evals"][0]  # one base, one evaluation
+    assert set(rows[0]["trainer"]) >= {"step_time_s", "stage_s", "stale_wait_s", "trainer_wait_s"}
+    assert 0 < rows[0]["rollout_slot_occupancy"] <= 1
+    ratio = first["summary"]["per_kernel"]["native"]["step_ratio"]
+    assert ratio == rows[0]["s_per_step"] / rows[1]["s_per_step"]
+    assert first["versions"]["trl"] == "1.16.0" and first["versions"]["cpu_count"] >= 1
+    again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert again["rows"] == rows
+    other = subprocess.run([*cmd, "--eval-every", "2"], capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "holds peers-bench runs of other settings" in other.stderr, other.stderr
+
+
+@pytest.mark.integration
+def test_bench_peers_without_trl_fails_in_one_line(tmp_path: Path) -> None:
+    blocked = ("import sys; sys.modules['trl'] = None; from jetroll.services.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", blocked, *PEERS_SMOKE, "--run-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == ["jetroll: bench peers needs TRL, and trl does not import: pip install "
+                                               "'jetroll[peers]'"]
