@@ -347,6 +347,25 @@ def summary(rows: list[dict[str, Any]], kernels: list[str]) -> dict[str, Any]:
             "commits": sorted({str(r["commit"]) for r in rows})}
 
 
+def timeline_table(rows: list[dict[str, Any]]) -> Any:
+    """Where one step's time goes: each process's CPU per step, and jetroll's trainer cycle by phase (ms)."""
+    from rich.table import Table
+
+    processes = sorted({name for r in rows for name in r["core_s_per_step_by_process"]})
+    phases = ("trainer_wait_s", "stale_wait_s", "step_time_s", "stage_s", "commit_wait_s")
+    table = Table(title="one step: CPU ms per process, and the trainer's cycle by phase (wall ms; the stale wait is "
+                        "part of the trainer's wait)")
+    for column in ("kernel", "side", "seed", "wall ms", *processes, *(p.removesuffix("_s") for p in phases)):
+        table.add_column(column, justify="right")
+    for r in rows:
+        cpu = r["core_s_per_step_by_process"]
+        trainer = r.get("trainer", {})
+        table.add_row(r["kernel"], r["side"], str(r["seed"]), f"{r['s_per_step'] * 1000:.1f}",
+                      *(f"{cpu[p] * 1000:.1f}" if p in cpu else "-" for p in processes),
+                      *(f"{trainer[p] * 1000:.1f}" if p in trainer else "-" for p in phases))
+    return table
+
+
 def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -361,12 +380,14 @@ def print_table(result: dict[str, Any]) -> None:
         return "-" if value is None else f"{value:.0f}"
 
     for r in result["rows"]:
+        utilisation = "-" if r["cpu_utilisation"] is None else f"{r['cpu_utilisation']:.0%}"
         table.add_row(r["kernel"], r["side"], str(r["seed"]), str(r.get("threads", "-")), f"{r['s_per_step']:.4f}",
-                      f"{r['core_s_per_step']:.3f}", f"{r['cpu_utilisation']:.0%}", seconds(r["time_to_70_s"]),
+                      f"{r['core_s_per_step']:.3f}", utilisation, seconds(r["time_to_70_s"]),
                       seconds(r["time_to_80_s"]), f"{r['base']:.1%}", f"{r['final']:.1%}", f"{r['tokens_per_s']:.0f}",
                       f"{r['stale_wait_share']:.1%}" if "stale_wait_share" in r else "-")
-    console = Console()
+    console = Console(width=200)  # two wide tables: a pipe or a narrow terminal would cut their columns
     console.print(table)
+    console.print(timeline_table(result["rows"]))
     for kernel, s in result["summary"]["per_kernel"].items():
         t80 = "-" if s["time_to_80_ratio"] is None else f"{s['time_to_80_ratio']:.2f}"
         console.print(f"{kernel}: jetroll/TRL time per step {s['step_ratio']:.2f} ({s['speedup']:.2f}x), time to 80% "
