@@ -11,7 +11,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -20,8 +22,9 @@ from safetensors.torch import load_file, save_file
 from jetroll.services.trainer.actor import Actor
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.errors import JobFailedError
-from jetroll.shared.model.checkpoint import load_state, save_pretrained
+from jetroll.shared.model.checkpoint import load_state, pretrained_tensors, write_pretrained
 from jetroll.shared.model.precision import published_dtype
+from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import MetricsEvent, WeightsPublishedEvent
 from jetroll.shared.protocol.ledger import Ledger, Outcome
@@ -43,6 +46,25 @@ class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     entry_ids: list[str]  # their scored entries
 
 
+@dataclass(frozen=True, slots=True)
+class StagedStep:
+    """A step's commit in memory: copies of what its files hold, `state/` (the trainer state) and `weights/` (the
+    published version)."""
+
+    masters: dict[str, torch.Tensor]
+    model_config: dict[str, Any]
+    optimizer: dict[str, torch.Tensor]
+    state: TrainerState
+    weights: dict[str, torch.Tensor]
+    weights_config: dict[str, Any]
+
+    def write(self, directory: Path, tokenizer: Tokenizer) -> None:
+        write_pretrained(directory / "state", self.masters, self.model_config, tokenizer)
+        save_file(self.optimizer, str(directory / "state" / "optimizer.safetensors"))
+        (directory / "state" / STATE_FILE).write_bytes(msgspec.json.encode(self.state))
+        write_pretrained(directory / "weights", self.weights, self.weights_config, tokenizer)
+
+
 class Committer:
     def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, ledger: Ledger, actor: Actor,
                  training: dict[str, PendingGroup]) -> None:
@@ -54,34 +76,35 @@ class Committer:
         self.training = training  # the intake's: groups leave it once their step is recorded
         self.redis_run_id = ""  # the Redis server's run id when the ledger was last known whole
 
-    def stage(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> Path:
-        """Write the commit of `version` to a local staging dir (the CPU part, before the weights change again):
-        `state/`, the trainer state with the step's groups, and `weights/`, the version as rollout computes with it."""
-        model, tokenizer = self.actor.model, self.actor.tokenizer
-        staged = Path(tempfile.mkdtemp(prefix="jetroll-commit-"))
-        state_dir = staged / "state"
-        save_pretrained(model, tokenizer, state_dir)
+    def stage(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> StagedStep:
+        """Copy the commit of `version` in memory (all the next step must wait for, before the weights change
+        again): the trainer state (fp32 masters, AdamW moments, RNG, the step's groups) and the version as rollout
+        computes with it. The commit writes the files in the background."""
+        model = self.actor.model
+        masters, model_config = pretrained_tensors(model)
         tensors = {}
         for name, param in model.named_parameters():
             state = self.actor.optimizer.state.get(param, {})
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 if key in state:
-                    tensors[f"{name}::{key}"] = state[key].detach().reshape(-1)  # a view: the step waits for this
+                    tensors[f"{name}::{key}"] = state[key].detach().reshape(-1).clone()
         tensors["rng::torch"] = torch.get_rng_state()
-        save_file(tensors, str(state_dir / "optimizer.safetensors"))
-        trainer_state = TrainerState(version=version, groups=groups, entry_ids=entry_ids)
-        (state_dir / STATE_FILE).write_bytes(msgspec.json.encode(trainer_state))
         # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
-        save_pretrained(model, tokenizer, staged / "weights", publish=self.config.precision.numerics())
-        return staged
+        weights, weights_config = pretrained_tensors(model, publish=self.config.precision.numerics())
+        return StagedStep(
+            masters={k: v.clone() for k, v in masters.items()}, model_config=model_config, optimizer=tensors,
+            state=TrainerState(version=version, groups=groups, entry_ids=entry_ids),
+            weights={k: v.clone() for k, v in weights.items()}, weights_config=weights_config)
 
-    async def commit(self, version: int, staged: Path, trained: dict[str, int], entry_ids: list[str],
+    async def commit(self, version: int, staged: StagedStep, trained: dict[str, int], entry_ids: list[str],
                      stats: dict[str, float]) -> None:
         """Make the step that made `version` survive, in the order a crash anywhere can be finished from: the trainer
         state first (the commit point), then the step's record, the ledger and the acks (a restarted trainer redoes
         these from the state: each is idempotent), then its metrics and weights."""
+        directory = Path(tempfile.mkdtemp(prefix="jetroll-commit-"))
         try:
-            await self.store.save_checkpoint(version, staged / "state")
+            await asyncio.to_thread(staged.write, directory, self.actor.tokenizer)
+            await self.store.save_checkpoint(version, directory / "state")
             await self.record_step(version, trained, entry_ids)
             for group_id in trained:
                 del self.training[group_id]
@@ -89,7 +112,7 @@ class Committer:
                                                 self.config.trainer.checkpoint_every)
             # metrics before the weights event: the controller stops at the last version, its row already read
             await self._emit(version, stats)
-            await self._publish(version, staged / "weights")
+            await self._publish(version, directory / "weights")
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -99,7 +122,7 @@ class Committer:
                 f"version written whole. Free space and run the job again with job_id {self.config.job_id} and the "
                 "same run dir: it resumes from the last committed step") from exc
         finally:
-            await asyncio.to_thread(shutil.rmtree, staged, True)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def record_step(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> None:
         await self.store.record_step(StepRecord(version=version, groups=groups, created_at=time.time()))
@@ -151,12 +174,13 @@ class Committer:
 
     @contextlib.asynccontextmanager
     async def _staged(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> AsyncIterator[Path]:
-        """`stage` for a commit written in line (start-up and resume), removed afterwards."""
-        staged = await asyncio.to_thread(self.stage, version, groups, entry_ids)
+        """A commit's files written in line (start-up and resume) in a temporary dir, removed afterwards."""
+        directory = Path(tempfile.mkdtemp(prefix="jetroll-commit-"))
         try:
-            yield staged
+            await asyncio.to_thread(self.stage(version, groups, entry_ids).write, directory, self.actor.tokenizer)
+            yield directory
         finally:
-            await asyncio.to_thread(shutil.rmtree, staged, True)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def _publish(self, version: int, weights_dir: Path) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""

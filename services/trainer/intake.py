@@ -145,11 +145,14 @@ class Intake:
 
     async def _required_groups(self) -> frozenset[str]:
         """In-flight groups this step must include: trained any later, their oldest tokens would lag more than
-        eta_hard. At most B, the oldest; the rest cannot fit this step, and their late tokens get masked."""
+        eta_hard. At most B, the oldest; the rest cannot fit this step, and their late tokens get masked. A group of
+        a step whose commit runs in the background stays in the index until recorded, but is trained already."""
         newest = self.version() - self.config.staleness.eta_hard
         if newest < 0:
             return frozenset()
-        return await self.in_flight.oldest_at_or_below(newest, self.config.trainer.groups_per_step)
+        oldest = await self.in_flight.oldest_at_or_below(newest, self.config.trainer.groups_per_step +
+                                                         len(self.training))
+        return frozenset([g for g in oldest if g not in self.training][:self.config.trainer.groups_per_step])
 
     def _held_entry(self, event: ScoredEvent) -> str | None:
         group = self.buffer.groups.get(event.trajectory.group_id) or self.training.get(event.trajectory.group_id)

@@ -31,8 +31,13 @@ def save_pretrained(
     unpadded) plus `weight_scale_inv` (fp32, [ceil(out/128), ceil(in/128)]) and a `quantization_config` in
     config.json, as vLLM and DeepSeek-V3 read them; bf16 ones as bf16. Everything else stays fp32.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    write_pretrained(directory, *pretrained_tensors(model, publish), tokenizer)
+
+
+def pretrained_tensors(model: CausalLM, publish: Precision | None = None) -> tuple[dict[str, torch.Tensor],
+                                                                                    dict[str, Any]]:
+    """What `save_pretrained` writes: the tensors (the masters as views of the live parameters, or the published
+    formats) and config.json's fields."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -46,7 +51,14 @@ def save_pretrained(
                     ignored.append(name)
         if (quantization := quantization_config(publish, ignored)) is not None:
             config["quantization_config"] = quantization
-    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
+    return state, config
+
+
+def write_pretrained(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                     tokenizer: Tokenizer | None) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(directory)

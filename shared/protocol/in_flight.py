@@ -42,7 +42,7 @@ class InFlightIndex:
     async def members(self) -> set[str]:
         return {member.decode() for member in await self.bus.redis.zrange(self.bus.key(IN_FLIGHT), 0, -1)}
 
-    async def oldest_at_or_below(self, version: int, limit: int) -> frozenset[str]:
+    async def oldest_at_or_below(self, version: int, limit: int) -> list[str]:
         """Up to `limit` groups, the oldest first, whose tokens may carry `version` or older."""
         ids = await self.bus.redis.zrangebyscore(self.bus.key(IN_FLIGHT), "-inf", version, start=0, num=limit)
-        return frozenset(i.decode() for i in ids)
+        return [i.decode() for i in ids]

@@ -18,6 +18,7 @@ from service_harness import build_model, job_config, scored_sample, stop, until
 
 from jetroll.services.launch.local import Launcher
 from jetroll.services.rollout.worker import RolloutWorker
+from jetroll.services.trainer.intake import GROUP, STREAM, Intake
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.model.checkpoint import load_pretrained
@@ -31,7 +32,9 @@ from jetroll.shared.protocol.events import (
     WeightsPublishedEvent,
     decode,
 )
+from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import IN_FLIGHT
+from jetroll.shared.protocol.validate import EventLimits
 from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration
@@ -241,3 +244,35 @@ def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
     assert sum(new_vs_old) / len(new_vs_old) > 0.1  # the check tells the two versions apart
     if not recompute_kv:  # the kept keys change what v1 computed
         assert sum(kept_vs_full) / len(kept_vs_full) > 0.05, kept_vs_full
+
+
+def test_a_group_in_the_commit_running_in_the_background_is_not_waited_for(model_dir: Path, redis_url: str,
+                                                                            tmp_path: Path) -> None:
+    """eta_hard = 2, B = 1. g1 trained at v0; its commit runs in the background, so the in-flight index still holds
+    it (the commit removes it when it records the step). At v3, g1 is past eta_hard by the index's reckoning, but it
+    is trained: the intake hands over the complete g2 at once instead of waiting on g1 until the commit lands."""
+    config = job_config(model_dir, tmp_path, trainer={"max_steps": 6, "groups_per_step": 1, "group_size": 2},
+                        staleness={"max_staleness": 1})
+    job = config.job_id
+    version = 0
+
+    async def scenario() -> tuple[list[str], list[str], float]:
+        bus = RedisBus(redis_url, job)
+        intake = Intake(config, bus, "trainer", Ledger(bus), EventLimits.of(config, 64), lambda: version)
+        try:
+            await bus.ensure_group(STREAM, GROUP)
+            await bus.redis.zadd(bus.key(IN_FLIGHT), {"g1": 0, "g2": 1})
+            await bus.publish_many(STREAM, [scored_sample(job, "g1", i, 0, [0, 0]) for i in range(2)])
+            intake.start()
+            first = await asyncio.wait_for(intake.next_groups(None), timeout=10)
+            nonlocal version
+            version = 3  # steps 1 and 2 trained other groups; g1's record is still to come
+            await bus.publish_many(STREAM, [scored_sample(job, "g2", i, 1, [1, 1]) for i in range(2)])
+            second = await asyncio.wait_for(intake.next_groups(None), timeout=10)
+            return [g.group_id for g in first], [g.group_id for g in second], intake.stale_wait_s
+        finally:
+            await intake.stop()
+            await bus.close()
+
+    first, second, stale_wait_s = asyncio.run(scenario())
+    assert (first, second, stale_wait_s) == (["g1"], ["g2"], 0.0)
