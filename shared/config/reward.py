@@ -8,21 +8,26 @@ from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import Strict
 
+RewardBackendName = Literal["local", "inline", "celery", "lambda"]
+
 
 class RewardConfig(Strict):
-    """The reward router: scores each task's reward on a backend (local pool, Celery or AWS Lambda) and owns
+    """The reward router: scores each task's reward on a backend (local pool, inline, Celery or AWS Lambda) and owns
     retries: throttling with backoff, a timeout or error `max_retries` times on local and celery, never on lambda."""
 
-    backend: Literal["local", "celery", "lambda"] = Field("local", description="backend of every task not in "
-                                                          "task_backends")
-    task_backends: dict[str, Literal["local", "celery", "lambda"]] = Field(
+    backend: RewardBackendName = Field("local", description="backend of every task not in task_backends: local (a "
+                                       "process pool: a call that overruns timeout_s is killed), inline (in the "
+                                       "router's process, for cheap rewards the job trusts: no process hop, no "
+                                       "isolation), celery or lambda")
+    task_backends: dict[str, RewardBackendName] = Field(
         default_factory=dict, description="per-task backend overrides, e.g. {code: lambda}")
     modules: list[str] = Field(default_factory=list, description="extra modules whose @reward functions the local "
                                "pool and a launched Celery worker import (remote runners: JETROLL_REWARD_MODULES)")
     num_workers: int = Field(1, ge=1, description="local backend: pool processes (its concurrency limit)")
-    timeout_s: float = Field(10.0, gt=0, description="per-call limit: local kills the worker, celery's soft time "
-                             "limit, lambda's function timeout")
-    max_retries: int = Field(1, ge=0, description="retries of a timeout or error on local and celery; lambda "
+    timeout_s: float = Field(10.0, gt=0, description="per-call limit: local kills the worker, inline counts a call "
+                             "past it as a timeout once it returns, celery's soft time limit, lambda's function "
+                             "timeout")
+    max_retries: int = Field(1, ge=0, description="retries of a timeout or error on local, inline and celery; lambda "
                              "never retries them (the handler may have run)")
     max_throttle_retries: int = Field(5, ge=0, description="retries of a throttled call (429) before `throttled` "
                                       "is final")

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from factories import trajectory
 from helpers import ended, wait_until_async
-from reward_harness import detokenize, limits_under_test, traj
+from reward_harness import cancel, detokenize, limits_under_test, traj, wait_scored
+from service_harness import job_config
 
+from jetroll.services.reward import main as reward_main
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
 from jetroll.services.reward.router import RewardRouter
+from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.dead_letters import DeadLetters
 from jetroll.shared.protocol.events import ScoredEvent, TrajectoryEvent, decode
@@ -165,3 +170,31 @@ def test_dedupe_marks_of_recorded_groups_are_forgotten(redis_url: str) -> None:
     assert sorted(e.trajectory.traj_id for e in scored) == [f"{g}:{i}" for g in (g1, g2) for i in range(2)]
     assert pending == 0 and counts["duplicates"] == 1
     assert seen == [f"{g2}:0", f"{g2}:1"]
+
+
+@pytest.mark.parametrize("backend", ["local", "inline"])
+def test_the_reward_service_scores_on_the_backend_its_config_names(backend: str, redis_url: str, model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """The reward service as `jetroll run` starts it: reward.backend local scores through a pool process, inline in
+    the router's own process (no child at all); both score the same."""
+    config = job_config(model_dir, tmp_path, reward={"backend": backend}, trainer={"group_size": 2})
+    tokenizer = load_tokenizer(model_dir)
+    events = [trajectory(f"g0:{i}", tokenizer.encode(text), job_id=config.job_id, prompt_ids=tokenizer.encode("1+1="),
+                         answer="2") for i, text in enumerate(["2", "3"])]
+
+    async def scenario() -> tuple[list[ScoredEvent], int]:
+        bus = RedisBus(redis_url, config.job_id)
+        service = asyncio.create_task(reward_main.run(config, redis_url, str(model_dir), "r0"))
+        try:
+            await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
+            await bus.publish_many(TRAJ_RAW.name, events)
+            scored = await wait_scored(bus, 2, timeout_s=30, grace_s=0.2)
+            return scored, len(multiprocessing.active_children())
+        finally:
+            await cancel(service)
+            await bus.close()
+
+    scored, children = asyncio.run(scenario())
+    assert {e.trajectory.traj_id: (e.backend, e.status, e.reward) for e in scored} == {
+        "g0:0": (backend, "ok", 1.0), "g0:1": (backend, "ok", 0.0)}
+    assert children == (1 if backend == "local" else 0)

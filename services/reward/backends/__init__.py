@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from jetroll.services.reward.backends.base import RewardBackend
+from jetroll.services.reward.backends.inline import InlineBackend
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.protocol.topology import job_key
 
-BACKENDS = ("local", "celery", "lambda")
+BACKENDS = ("local", "inline", "celery", "lambda")
 
 
 def setup_backend(name: str, config: RewardConfig, *, redis_url: str, job_id: str) -> RewardBackend:
     """Build backend `name` from the reward config; `redis_url` is the job's Redis (idempotency records)."""
     if name == "local":
         return LocalBackend(RewardPool(config.num_workers, config.timeout_s, config.modules))
+    if name == "inline":
+        return InlineBackend(config.timeout_s, config.modules)
     if name == "celery":
         from jetroll.services.reward.backends.celery import CeleryBackend
 
