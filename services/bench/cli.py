@@ -73,7 +73,8 @@ def _reward_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=400, help="calls per backend and concurrency level")
     parser.add_argument("--workers", type=int, default=4, help="executors per backend (processes, environments)")
     parser.add_argument("--backends", default=None,
-                        help="comma-separated (default: local,celery, and lambda when --lambda-endpoint is given)")
+                        help="comma-separated (default: local,inline,celery, and lambda when --lambda-endpoint is "
+                        "given)")
     parser.add_argument("--lambda-endpoint", default=None,
                         help="a Lambda Invoke API the lambda backend calls (AWS's, or a local one)")
 

@@ -73,10 +73,10 @@ def test_bench_reward_json_smoke() -> None:
         fake.wait(timeout=30)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert {(row["backend"], row["concurrency"]) for row in result["rows"]} == {
-        (backend, level) for backend in ("local", "celery", "lambda") for level in (1, 2)}
+        (backend, level) for backend in ("local", "inline", "celery", "lambda") for level in (1, 2)}
     for row in result["rows"]:
         assert row["rewards_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"] and row["not_ok"] == 0
-    assert set(result["summary"]["overhead_ms"]) == {"celery", "lambda"}
+    assert set(result["summary"]["overhead_ms"]) == {"inline", "celery", "lambda"}
     refused = subprocess.run([*JETROLL, "bench", "reward", "--backends", "lambda"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 2 and "needs --lambda-endpoint" in refused.stderr, refused.stderr
