@@ -43,7 +43,7 @@ def test_limits_derived_from_timeout() -> None:
 
 
 def test_unknown_backend_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="local, celery, lambda"):
+    with pytest.raises(ValueError, match="local, inline, celery, lambda"):
         setup_backend("ray", RewardConfig(), redis_url="redis://127.0.0.1:1/0", job_id="j")
 
 
