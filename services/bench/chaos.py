@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from jetroll.services.bench.processes import processes
+from jetroll.services.bench.processes import processes, stop_like_ctrl_c
 from jetroll.services.bench.store import moto_server
 from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.shared.config.job import JobConfig, load_config
@@ -128,12 +128,8 @@ def run_one(config: JobConfig, seed: int, out: Path, overrides: list[str], outag
                 code = _inject(job, faults, out / "run", config.staleness.max_staleness + 2, proxy, outage_s,
                                started)
             finally:
-                if job.poll() is None:  # interrupted, or a fault that never recovered: stop it as Ctrl-C does
-                    job.send_signal(signal.SIGINT)
-                    try:
-                        job.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        job.kill()
+                if job.poll() is None:  # interrupted, or a fault that never recovered
+                    stop_like_ctrl_c(job)
                 proxy.cut()
         wall_s = time.perf_counter() - started
         if code != 0:

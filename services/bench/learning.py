@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from jetroll.services.bench.processes import stop_like_ctrl_c
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
@@ -110,12 +110,8 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
         job = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             code = job.wait()
-        except BaseException:  # interrupted: let the job stop its services and Redis (as Ctrl-C does) before it goes
-            job.send_signal(signal.SIGINT)
-            try:
-                job.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                job.kill()
+        except BaseException:  # interrupted: let the job stop its services and Redis before it goes
+            stop_like_ctrl_c(job)
             raise
     wall_s = time.perf_counter() - started
     if code != 0:

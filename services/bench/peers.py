@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.services.bench.learning import KERNELS, parse_seeds
-from jetroll.services.bench.processes import descendants, processes
+from jetroll.services.bench.processes import descendants, processes, stop_like_ctrl_c
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
 from jetroll.shared.errors import ConfigError
@@ -189,12 +188,8 @@ def run_logged(command: list[str], env: dict[str, str], out: Path, progress: Pat
         sampler = TreeSampler(job.pid, progress, out)
         try:
             code = job.wait()
-        except BaseException:  # interrupted: let a jetroll job stop its services and Redis (as Ctrl-C does)
-            job.send_signal(signal.SIGINT)
-            try:
-                job.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                job.kill()
+        except BaseException:  # interrupted: let a jetroll job stop its services and Redis
+            stop_like_ctrl_c(job)
             raise
         finally:
             samples = sampler.stop()

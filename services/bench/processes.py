@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,3 +58,12 @@ def descendants(root: int, table: dict[int, Process]) -> list[Process]:
             found.append(table[pid])
         todo.extend(p.pid for p in children.get(pid, []))
     return found
+
+
+def stop_like_ctrl_c(job: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGINT, as Ctrl-C sends it, so a jetroll job stops its services and Redis; SIGKILL past `timeout_s`."""
+    job.send_signal(signal.SIGINT)
+    try:
+        job.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        job.kill()

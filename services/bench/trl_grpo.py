@@ -35,7 +35,6 @@ from trl import GRPOConfig, GRPOTrainer
 
 from jetroll.functions.runner import get_reward
 from jetroll.shared.config.job import JobConfig, load_config
-from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.rl.admission import Admission
 from jetroll.shared.rl.schedule import trainer_lr
@@ -79,17 +78,17 @@ def grpo_settings(config: JobConfig, steps: int, seed: int, out_dir: Path) -> di
 def run(spec: dict[str, Any]) -> None:
     torch.set_num_threads(spec["threads"])
     config = load_config(Path(spec["config"]), spec["overrides"])
-    if len(config.tasks) != 1:
-        raise SystemExit("bench peers: the TRL side runs single-task jobs only")
+    if len(config.tasks) != 1 or config.model.chat_template:
+        raise SystemExit("bench peers: the TRL side runs single-task jobs with plain prompts only")
     base, out = Path(spec["base_dir"]), Path(spec["out_dir"])
     steps, snapshot_every = spec["steps"], spec["snapshot_every"]
     names = json.loads((base / "tokenizer_config.json").read_text())
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(base / "tokenizer.json"), eos_token=names["eos_token"],
                                         pad_token=names["pad_token"])
     rows = job_problems(config, steps * config.trainer.groups_per_step)
-    prompts = PromptFormat.of(config.model, load_tokenizer(base))
+    ours = load_tokenizer(base)
     for row in rows[:1000]:  # TRL tokenizes the prompt text itself: its ids must be jetroll's
-        if tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] != prompts.tokenizer.encode(row["prompt"]):
+        if tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] != ours.encode(row["prompt"]):
             raise SystemExit(f"bench peers: TRL's tokenizer gives other ids than jetroll's for {row['prompt']!r}")
     reward_fn = get_reward(get_task(config.tasks[0].name).reward)
 

@@ -65,6 +65,11 @@ class StagedStep:
         write_pretrained(directory / "weights", self.weights, self.weights_config, tokenizer)
 
 
+def _identity(tensor: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
+    """Two views with this in common hold the same values."""
+    return tensor.data_ptr(), tensor.shape, tensor.dtype
+
+
 class Committer:
     def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, ledger: Ledger, actor: Actor,
                  training: dict[str, PendingGroup]) -> None:
@@ -91,10 +96,13 @@ class Committer:
         tensors["rng::torch"] = torch.get_rng_state()
         # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
         weights, weights_config = pretrained_tensors(model, publish=self.config.precision.numerics())
+        copies = {_identity(v): v.clone() for v in masters.values()}
+        # an fp32 linear publishes its master itself: one copy serves both files
+        copies |= {_identity(v): v.clone() for v in weights.values() if _identity(v) not in copies}
         return StagedStep(
-            masters={k: v.clone() for k, v in masters.items()}, model_config=model_config, optimizer=tensors,
-            state=TrainerState(version=version, groups=groups, entry_ids=entry_ids),
-            weights={k: v.clone() for k, v in weights.items()}, weights_config=weights_config)
+            masters={k: copies[_identity(v)] for k, v in masters.items()}, model_config=model_config,
+            optimizer=tensors, state=TrainerState(version=version, groups=groups, entry_ids=entry_ids),
+            weights={k: copies[_identity(v)] for k, v in weights.items()}, weights_config=weights_config)
 
     async def commit(self, version: int, staged: StagedStep, trained: dict[str, int], entry_ids: list[str],
                      stats: dict[str, float]) -> None:

@@ -13,7 +13,8 @@ RewardBackendName = Literal["local", "inline", "celery", "lambda"]
 
 class RewardConfig(Strict):
     """The reward router: scores each task's reward on a backend (local pool, inline, Celery or AWS Lambda) and owns
-    retries: throttling with backoff, a timeout or error `max_retries` times on local and celery, never on lambda."""
+    retries: throttling with backoff, a timeout or error `max_retries` times on local, inline and celery, never on
+    lambda."""
 
     backend: RewardBackendName = Field("local", description="backend of every task not in task_backends: local (a "
                                        "process pool: a call that overruns timeout_s is killed), inline (in the "
