@@ -38,10 +38,12 @@ class Actor:
         cfg = self.config.trainer
         batch = collate(groups, self.tokenizer.pad_id, self.device)
         # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
-        # get only the no-grad pi_prox pass (cheaper than forward + backward), unless a KL term gives them a gradient
+        # get no pass of their own in async mode (passes.py), unless a KL term gives them a gradient
         with_grad = gradient_rows(batch.rewards, has_kl=self.reference is not None)
         self.optimizer.zero_grad(set_to_none=True)
-        policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id, entropy_grad=cfg.entropy_coef > 0)
+        # a sync step's tokens are all of one version, so every row's mismatch is measurable: score them all
+        policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id, entropy_grad=cfg.entropy_coef > 0,
+                             score_all=self.config.staleness.mode == "sync")
         advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
         loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, version, self.config.staleness.eta_hard)
         stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self.lr(version)}
@@ -79,13 +81,13 @@ class Actor:
         return {"grad_norm": grad_norm}
 
     def _batch_stats(self, batch: TokenBatch, policy: PolicyPass, version: int) -> dict[str, float]:
-        mask = batch.loss_mask > 0
-        # of pi_prox, the policy at the start of the step, over every policy token (zero-advantage groups included)
-        entropy = float(policy.entropy[mask].mean()) if mask.any() else float("nan")
-        return {"entropy": entropy} | self._mismatch_stats(batch, policy.prox_logp, version) | _task_stats(batch)
+        # the policy tokens of the rows the step scored: the gradient rows (every row on the exact backend)
+        mask = (batch.loss_mask > 0) & policy.scored[:, None]
+        entropy = float(policy.entropy[mask].mean()) if mask.any() else float("nan")  # of pi_prox, the step's start
+        return {"entropy": entropy} | self._mismatch_stats(batch, policy.prox_logp, mask, version) | _task_stats(batch)
 
-    def _mismatch_stats(self, batch: TokenBatch, prox_logp: torch.Tensor, version: int) -> dict[str, float]:
-        mask = batch.loss_mask > 0
+    def _mismatch_stats(self, batch: TokenBatch, prox_logp: torch.Tensor, mask: torch.Tensor,
+                        version: int) -> dict[str, float]:
         same_version = one_version_tokens(mask, batch.v_tok, version,
                                           kept_kv=not self.config.rollout.recompute_kv_on_swap)
         abs_delta = (prox_logp - batch.behavior_logp).abs()
@@ -96,13 +98,15 @@ class Actor:
             pool_delta = abs_delta[same_version & rows[:, None]]
             per_pool[f"mismatch/pool/{pool}"] = float(pool_delta.mean()) if pool_delta.numel() else float("nan")
         stats = mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap)
+        policy_tokens = batch.loss_mask > 0
         return stats | per_pool | {
             "mismatch_abs_sum": float(delta.sum()),
             "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
             "mismatch_tokens": float(same_version.sum()),
-            "num_policy_tokens": float(mask.sum()),
+            "num_policy_tokens": float(policy_tokens.sum()),
             "precision_mismatch": float(delta.mean()) if delta.numel() else float("nan"),
-            "mismatch_coverage": float(same_version.sum() / mask.sum().clamp(min=1)),
+            # of every policy token in the batch, scored or not
+            "mismatch_coverage": float(same_version.sum() / policy_tokens.sum().clamp(min=1)),
         }
 
 

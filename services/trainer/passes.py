@@ -1,7 +1,8 @@
 """The trainer's forward passes over one batch: which rows need a gradient, packing, and the exact backend's pi_prox.
 
 `policy_pass` gives the step what the algorithm needs, whatever the backend: the log-probs of the gradient rows (with
-grad) and, for the entropy bonus, their token entropy with grad, and pi_prox with its token entropy for every row.
+grad) and, for the entropy bonus, their token entropy with grad, and pi_prox with its token entropy for the rows it
+scores (the gradient rows, or every row: on the exact backend, or when asked).
 Every pass maps hidden states to log-probs through `head_logprobs`, a chunk of tokens at a time.
 """
 
@@ -146,23 +147,27 @@ class PolicyPass:
     width: int  # their columns up to the last policy token
     logp: torch.Tensor | None  # [rows, width] with grad; None when no row has a gradient
     row_entropy: torch.Tensor | None  # [rows, width] their token entropy with grad; None unless asked for
-    prox_logp: torch.Tensor  # [B, T] pi_prox: the weights at the start of the step
-    entropy: torch.Tensor  # [B, T] its token entropy
+    prox_logp: torch.Tensor  # [B, T] pi_prox: the weights at the start of the step, on the scored rows
+    entropy: torch.Tensor  # [B, T] its token entropy, on the scored rows
+    scored: torch.Tensor  # [B] bool: the rows prox_logp and entropy hold
 
 
 def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad_id: int, *,
-                entropy_grad: bool = False) -> PolicyPass:
-    """The forward passes of one step. `with_grad` [B] marks the rows of the gradient pass; the rest get a no-grad
-    pass only; `entropy_grad` also gives the gradient rows' entropy with grad (the entropy bonus). On `fast`,
-    pi_prox is the gradient pass's own forward, detached (one update per version); on `exact` it comes from a full
-    exact pass, and the gradient pass stays on `fast`."""
+                entropy_grad: bool = False, score_all: bool = False) -> PolicyPass:
+    """The forward passes of one step. `with_grad` [B] marks the rows of the gradient pass; `entropy_grad` also gives
+    their entropy with grad (the entropy bonus). On `fast`, pi_prox is the gradient pass's own forward, detached (one
+    update per version); the other rows get a no-grad pass only with `score_all` (for the metrics: zero advantage
+    leaves them out of the loss, and that pass was a fifth of an async step). On `exact` pi_prox comes from a full
+    exact pass over every row, and the gradient pass stays on `fast`."""
     is_exact = model.precision.backend == "exact"
     if is_exact:
         prox_logp, entropy = proximal_pass(model, batch.input_ids, batch.targets, batch.temperature)
         model.release_inference_weights()
-    else:  # filled from the passes below: every row gets one
+    else:  # filled from the passes below
         prox_logp, entropy = torch.zeros_like(batch.behavior_logp), torch.zeros_like(batch.behavior_logp)
-    idle = (~with_grad).nonzero().squeeze(-1)
+    # a step with no gradient row has no backward either: its metrics may as well cover every row
+    scored = torch.ones_like(with_grad) if is_exact or score_all or not with_grad.any() else with_grad.clone()
+    idle = (scored & ~with_grad).nonzero().squeeze(-1)
     if not is_exact and len(idle):
         width = policy_width(batch.loss_mask[idle])
         with torch.no_grad():
@@ -172,14 +177,14 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
         model.release_inference_weights()  # this version is used once; the grad pass and backward need the room
     rows = with_grad.nonzero().squeeze(-1)
     if not len(rows):
-        return PolicyPass(rows, 0, None, None, prox_logp, entropy)
+        return PolicyPass(rows, 0, None, None, prox_logp, entropy, scored)
     width = policy_width(batch.loss_mask[rows])
     hidden = group_hidden(model, batch, rows, width, pad_id)
     logp, row_entropy = head_logprobs(model, hidden, batch.targets[rows, :width], batch.temperature[rows])
     if not is_exact:
         prox_logp[rows, :width] = logp.detach()
         entropy[rows, :width] = row_entropy.detach()
-    return PolicyPass(rows, width, logp, row_entropy if entropy_grad else None, prox_logp, entropy)
+    return PolicyPass(rows, width, logp, row_entropy if entropy_grad else None, prox_logp, entropy, scored)
 
 
 def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int,

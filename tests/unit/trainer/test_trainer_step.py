@@ -87,22 +87,31 @@ def test_dr_grpo_divides_by_batch_times_max_new_tokens(
     assert stats["loss"] == pytest.approx(-summed / (len(RATIOS) * budget), rel=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["fast", "exact"])
+@pytest.mark.parametrize(("backend", "mode"), [("fast", "async"), ("fast", "sync"), ("exact", "async")])
 def test_step_reports_the_token_entropy_of_pi_prox(
-    backend: str, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+    backend: str, mode: str, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
 ) -> None:
-    """`entropy` is the mean over every policy token of H(softmax(logits / T)) at the step's start: the rows of the
-    gradient pass and those of a zero-advantage group (the no-grad pass) alike, or the exact pi_prox pass's."""
-    trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"backend": backend})
+    """`entropy` is the mean of H(softmax(logits / T)) at the step's start over the policy tokens of the rows the step
+    scores: on `fast` in async mode the gradient rows only (a zero-advantage group gets no pass at all), in sync mode
+    and on `exact` every row (a no-grad pass, or the exact pi_prox pass, covers them). The mismatch's coverage counts
+    the scored tokens of one version among all policy tokens."""
+    trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"backend": backend}, staleness={"mode": mode})
     rewards = (REWARDS[0], (1.0, 1.0, 1.0, 1.0))  # the second group has no signal
     groups = groups_of(events_with_ratios(trainer, RATIOS, rewards))
     batch = collate(groups, trainer.actor.tokenizer.pad_id)
     _, entropy = proximal_pass(trainer.actor.model, batch.input_ids, batch.targets, batch.temperature)
     stats = trainer._step(groups)
     assert stats["grad_rows_frac"] == 0.5
-    expected = float(entropy[batch.loss_mask > 0].mean())
+    policy_tokens = batch.loss_mask > 0
+    everything = backend == "exact" or mode == "sync"
+    scored = policy_tokens if everything else policy_tokens & (torch.arange(len(batch.input_ids)) < 4)[:, None]
+    expected = float(entropy[scored].mean())
     assert 0 < expected <= math.log(trainer.actor.model.args.vocab_size)
+    if not everything:  # the two rules differ on this batch
+        assert expected != pytest.approx(float(entropy[policy_tokens].mean()), rel=1e-4)
     assert stats["entropy"] == pytest.approx(expected, rel=1e-5)
+    assert stats["num_policy_tokens"] == float(policy_tokens.sum())
+    assert 0 < stats["mismatch_tokens"] <= float(scored.sum())
 
 
 @pytest.mark.parametrize("backend", ["fast", "exact"])
