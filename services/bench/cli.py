@@ -164,12 +164,17 @@ def _peers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-problems", type=int, default=1000, help="held-out problems per evaluation")
     parser.add_argument("--trl-threads", default="1,2", help="TRL's torch thread counts to time; the fastest runs")
     parser.add_argument("--probe-steps", type=int, default=40, help="steps of each TRL thread-count probe")
-    _overrides(parser, "configs/arithmetic.yaml on both sides")
+    parser.add_argument("--config", type=Path, help="the job both sides run, single-task (default: "
+                        "configs/arithmetic.yaml; issue 40's second job is configs/dataset_math.yaml)")
+    parser.add_argument("--thresholds", default="0.7,0.8", help="held-out accuracies whose crossing times are "
+                        "reported, comma-separated")
+    _overrides(parser, "the job's config on both sides")
 
 
 def _peers_run(m: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     return m.run_peers_bench(args.steps, args.seeds, args.kernels, args.run_dir, args.overrides, args.eval_every,
-                             args.eval_problems, args.trl_threads, args.probe_steps)
+                             args.eval_problems, args.trl_threads, args.probe_steps, args.config or m.CONFIG,
+                             args.thresholds)
 
 
 BENCHES = {

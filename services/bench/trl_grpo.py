@@ -3,8 +3,10 @@ process of its own: `python -m jetroll.services.bench.trl_grpo SPEC.json`.
 
 Everything the algorithm shares with the job is read from the job's config, so the two sides differ only in how they
 run it:
-- the base: the job's HF-format base directory, through `AutoModelForCausalLM`, and its tokenizer file through
-  `PreTrainedTokenizerFast` (prompt ids are checked equal to jetroll's);
+- the base: the job's HF-format base directory, through `AutoModelForCausalLM`, and its tokenizer file (and chat
+  template) through `PreTrainedTokenizerFast`; the prompt ids TRL makes are checked equal to jetroll's;
+- the prompts: plain text, or with `model.chat_template: true` the same messages jetroll renders (system prompt
+  included), which TRL renders with the same template;
 - the problems: the job's own draws (`Admission.draw`), groups 1 .. steps x B, in admission order
   (`shuffle_dataset=False`);
 - the reward: the task's reward function, by name;
@@ -35,25 +37,40 @@ from trl import GRPOConfig, GRPOTrainer
 
 from jetroll.functions.runner import get_reward
 from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.rl.admission import Admission
 from jetroll.shared.rl.schedule import trainer_lr
+from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import get_task
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def job_problems(config: JobConfig, num_groups: int) -> list[dict[str, str]]:
-    """The prompts and answers of the job's groups 1 .. num_groups, drawn as its controller draws them."""
+def job_problems(config: JobConfig, num_groups: int) -> list[tuple[str, Problem]]:
+    """The task names and problems of the job's groups 1 .. num_groups, drawn as its controller draws them."""
     admission = Admission(config.trainer.groups_per_step, config.staleness.eta, config.trainer.max_steps,
                           task_weights={t.name: t.weight for t in config.tasks})
-    rows = []
+    drawn = []
     for index in range(1, num_groups + 1):
-        drawn = admission.draw(config.seed, index, {})
-        assert drawn is not None, "no per-task caps here, so every draw names a task"
-        task, problem = drawn
-        rows.append({"prompt": problem.prompt, "answer": problem.answer, "task": task.name})
-    return rows
+        draw = admission.draw(config.seed, index, {})
+        assert draw is not None, "no per-task caps here, so every draw names a task"
+        task, problem = draw
+        drawn.append((task.name, problem))
+    return drawn
+
+
+def trl_prompt_ids(tokenizer: PreTrainedTokenizerFast, prompt: str | list[dict[str, str]]) -> list[int]:
+    """The ids GRPOTrainer generates from (its `_tokenize_prompts`)."""
+    if isinstance(prompt, str):
+        return tokenizer(text=[prompt])["input_ids"][0]
+    return tokenizer.apply_chat_template(conversation=[prompt], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"][0]
+
+
+def completion_text(completion: str | list[dict[str, str]]) -> str:
+    """A completion as text: TRL passes a conversational prompt's completion as one assistant message."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
 
 
 def grpo_settings(config: JobConfig, steps: int, seed: int, out_dir: Path) -> dict[str, Any]:
@@ -78,22 +95,25 @@ def grpo_settings(config: JobConfig, steps: int, seed: int, out_dir: Path) -> di
 def run(spec: dict[str, Any]) -> None:
     torch.set_num_threads(spec["threads"])
     config = load_config(Path(spec["config"]), spec["overrides"])
-    if len(config.tasks) != 1 or config.model.chat_template:
-        raise SystemExit("bench peers: the TRL side runs single-task jobs with plain prompts only")
+    if len(config.tasks) != 1:
+        raise SystemExit("bench peers: the TRL side runs single-task jobs only")
     base, out = Path(spec["base_dir"]), Path(spec["out_dir"])
     steps, snapshot_every = spec["steps"], spec["snapshot_every"]
     names = json.loads((base / "tokenizer_config.json").read_text())
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(base / "tokenizer.json"), eos_token=names["eos_token"],
-                                        pad_token=names["pad_token"])
-    rows = job_problems(config, steps * config.trainer.groups_per_step)
-    ours = load_tokenizer(base)
-    for row in rows[:1000]:  # TRL tokenizes the prompt text itself: its ids must be jetroll's
-        if tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] != ours.encode(row["prompt"]):
-            raise SystemExit(f"bench peers: TRL's tokenizer gives other ids than jetroll's for {row['prompt']!r}")
+                                        pad_token=names["pad_token"], chat_template=names.get("chat_template"))
+    prompt_format = PromptFormat.of(config.model, load_tokenizer(base))
+    drawn = job_problems(config, steps * config.trainer.groups_per_step)
+    # TRL takes a conversational prompt as messages, which it renders with the template itself
+    rows = [{"prompt": problem.prompt if prompt_format.template is None else prompt_format.messages(problem),
+             "answer": problem.answer, "task": task} for task, problem in drawn]
+    for row, (_, problem) in zip(rows[:1000], drawn, strict=False):  # TRL's prompt ids must be jetroll's
+        if trl_prompt_ids(tokenizer, row["prompt"]) != prompt_format.ids(problem):
+            raise SystemExit(f"bench peers: TRL makes other prompt ids than jetroll's for {row['prompt']!r}")
     reward_fn = get_reward(get_task(config.tasks[0].name).reward)
 
-    def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
-        return [reward_fn(c, a).reward for c, a in zip(completions, answer, strict=True)]
+    def reward(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        return [reward_fn(completion_text(c), a).reward for c, a in zip(completions, answer, strict=True)]
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=config.trainer.weight_decay)

@@ -72,11 +72,15 @@ class PromptFormat:
             if problem.messages is not None:
                 raise ConfigError("a problem with chat messages needs model.chat_template: true")
             return problem.prompt
+        return render_chat(self.template, self.messages(problem), self.tokenizer.special_tokens())
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        """The chat messages the template renders: the problem's own, or its prompt as a user message, after the
+        system prompt unless they bring their own."""
         messages = list(problem.messages or [("user", problem.prompt)])
         if self.system_prompt and messages[0][0] != "system":
             messages.insert(0, ("system", self.system_prompt))
-        return render_chat(self.template, [{"role": role, "content": content} for role, content in messages],
-                           self.tokenizer.special_tokens())
+        return [{"role": role, "content": content} for role, content in messages]
 
     def ids(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode(self.text(problem))

@@ -14,6 +14,7 @@ import pytest
 from helpers import JETROLL
 
 FAKE_LAMBDA = Path(__file__).resolve().parents[1] / "fakes" / "lambda_invoke.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.integration
@@ -249,6 +250,31 @@ def test_bench_peers_json_smoke_and_resume(tmp_path: Path) -> None:
     assert again["rows"] == rows
     other = subprocess.run([*cmd, "--eval-every", "2"], capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and "holds peers-bench runs of other settings" in other.stderr, other.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_peers_smoke_of_the_second_job(tmp_path: Path) -> None:
+    """`--config configs/dataset_math.yaml` with its chat template: the BPE model's prompts rendered by the template on
+    both sides (the TRL side refuses to start unless its ids are jetroll's), crossing times at `--thresholds`, and
+    time per step as the only bar of a job other than the default."""
+    cmd = [*JETROLL, "bench", "peers", "--json", "--config", str(REPO / "configs" / "dataset_math.yaml"),
+           "--thresholds", "0.05,0.5", "--steps", "4", "--seeds", "0,", "--kernels", "native", "--eval-every", "2",
+           "--eval-problems", "16", "--trl-threads", "1", "--probe-steps", "2", "--run-dir", str(tmp_path / "bench"),
+           *(arg for item in ("model.chat_template=true", "rollout.max_seq_len=80", "model.num_layers=1",
+                              "model.warm_start.max_steps=4", "model.warm_start.target_band=null",
+                              "model.warm_start.probe_problems=16", "eval.num_problems=16",
+                              "trainer.groups_per_step=2", "trainer.group_size=2", "rollout.compile=false")
+             for arg in ("--set", item))]
+    result = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
+    assert result["config"]["thresholds"] == [0.05, 0.5] and result["config"]["config"].endswith("dataset_math.yaml")
+    jet, trl = result["rows"]
+    assert jet["evals"][0] == trl["evals"][0] and [s for s, _ in trl["evals"]] == [0, 2, 4]
+    for row in (jet, trl):
+        assert set(row) >= {"time_to_5_s", "time_to_50_s"} and row["steps"] == 4 and row["tokens_per_s"] > 0
+    native = result["summary"]["per_kernel"]["native"]
+    assert set(native["bars"]) == {"step_ratio"}
+    assert native["bars"]["step_ratio"] == (native["step_ratio"] <= 1 / 1.5)
 
 
 @pytest.mark.integration
