@@ -7,8 +7,7 @@ import asyncio
 import contextlib
 import errno
 import logging
-import shutil
-import tempfile
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,12 +16,12 @@ from typing import Any
 
 import msgspec
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from jetroll.services.trainer.actor import Actor
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.errors import JobFailedError
-from jetroll.shared.model.checkpoint import load_state, pretrained_tensors, write_pretrained
+from jetroll.shared.model.checkpoint import load_state, pretrained_tensors, save_tensors, write_pretrained
 from jetroll.shared.model.precision import published_dtype
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.protocol.bus import RedisBus
@@ -59,10 +58,21 @@ class StagedStep:
     weights_config: dict[str, Any]
 
     def write(self, directory: Path, tokenizer: Tokenizer) -> None:
-        write_pretrained(directory / "state", self.masters, self.model_config, tokenizer)
-        save_file(self.optimizer, str(directory / "state" / "optimizer.safetensors"))
-        (directory / "state" / STATE_FILE).write_bytes(msgspec.json.encode(self.state))
-        write_pretrained(directory / "weights", self.weights, self.weights_config, tokenizer)
+        """Each distinct file once: the version's files that equal the checkpoint's (the tokenizer's always, the
+        model's too when the masters are what rollout computes with) are links to them."""
+        state, weights = directory / "state", directory / "weights"
+        write_pretrained(state, self.masters, self.model_config, tokenizer)
+        pretrained = [path.name for path in state.iterdir()]
+        save_tensors(state / "optimizer.safetensors", self.optimizer)
+        (state / STATE_FILE).write_bytes(msgspec.json.encode(self.state))
+        shared = self.weights.keys() == self.masters.keys() and self.weights_config == self.model_config and all(
+            tensor is self.masters[name] for name, tensor in self.weights.items())
+        if not shared:
+            write_pretrained(weights, self.weights, self.weights_config, None)
+        weights.mkdir(exist_ok=True)
+        for name in pretrained:
+            if not (weights / name).exists():
+                os.link(state / name, weights / name)
 
 
 def _identity(tensor: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
@@ -109,18 +119,18 @@ class Committer:
         """Make the step that made `version` survive, in the order a crash anywhere can be finished from: the trainer
         state first (the commit point), then the step's record, the ledger and the acks (a restarted trainer redoes
         these from the state: each is idempotent), then its metrics and weights."""
-        directory = Path(tempfile.mkdtemp(prefix="jetroll-commit-"))
         try:
-            await asyncio.to_thread(staged.write, directory, self.actor.tokenizer)
-            await self.store.save_checkpoint(version, directory / "state")
-            await self.record_step(version, trained, entry_ids)
-            for group_id in trained:
-                del self.training[group_id]
-            await self.store.retain_checkpoints(self.config.store.keep_checkpoints,
-                                                self.config.trainer.checkpoint_every)
-            # metrics before the weights event: the controller stops at the last version, its row already read
-            await self._emit(version, stats)
-            await self._publish(version, directory / "weights")
+            async with self.store.staging() as directory:
+                await asyncio.to_thread(staged.write, directory, self.actor.tokenizer)
+                await self.store.save_checkpoint(version, directory / "state")
+                await self.record_step(version, trained, entry_ids)
+                for group_id in trained:
+                    del self.training[group_id]
+                await self.store.retain_checkpoints(self.config.store.keep_checkpoints,
+                                                    self.config.trainer.checkpoint_every)
+                # metrics before the weights event: the controller stops at the last version, its row already read
+                await self._emit(version, stats)
+                await self._publish(version, directory / "weights")
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -129,8 +139,6 @@ class Committer:
                 f"the weight store ran out of space committing step {version} ({exc}); LATEST stays at the last "
                 f"version written whole. Free space and run the job again with job_id {self.config.job_id} and the "
                 "same run dir: it resumes from the last committed step") from exc
-        finally:
-            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def record_step(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> None:
         await self.store.record_step(StepRecord(version=version, groups=groups, created_at=time.time()))
@@ -182,13 +190,10 @@ class Committer:
 
     @contextlib.asynccontextmanager
     async def _staged(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> AsyncIterator[Path]:
-        """A commit's files written in line (start-up and resume) in a temporary dir, removed afterwards."""
-        directory = Path(tempfile.mkdtemp(prefix="jetroll-commit-"))
-        try:
+        """A commit's files written in line (start-up and resume) in the store's staging dir."""
+        async with self.store.staging() as directory:
             await asyncio.to_thread(self.stage(version, groups, entry_ids).write, directory, self.actor.tokenizer)
             yield directory
-        finally:
-            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def _publish(self, version: int, weights_dir: Path) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""

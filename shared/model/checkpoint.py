@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.args import ModelArgs
@@ -54,11 +54,17 @@ def pretrained_tensors(model: CausalLM, publish: Precision | None = None) -> tup
     return state, config
 
 
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file, serialized in memory and written by Python, so a full disk raises the OSError it is
+    (safetensors' own writer reports it as a SafetensorError, without the errno)."""
+    path.write_bytes(save(tensors, metadata=metadata))
+
+
 def write_pretrained(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                      tokenizer: Tokenizer | None) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    save_tensors(directory / WEIGHTS, tensors, metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save(directory)

@@ -4,16 +4,19 @@ Two backends share one layout, a local directory (local.py) and S3 (s3.py, any S
 aioboto3): `{root}/{job_id}/weights/v{version:08d}/`, `{root}/{job_id}/weights/LATEST`,
 `{root}/{job_id}/checkpoints/step{N}/` (the trainer's state after step N), and
 `{root}/{job_id}/steps/v{N}/manifest.json` (what step N trained: an append-only record, never retained away).
-Files are hashed, copied, verified and written by files.py.
+Files are hashed, copied (or linked, when staged in the local store's `.staging/`), verified and written by files.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -108,7 +111,21 @@ class WeightStore(ABC):
     def _where(self, key: str) -> str:
         """Where `key` lives, for messages and the `weights` event."""
 
+    def _staging_root(self) -> Path | None:
+        """Where `staging` makes its dirs: the system's temp dir unless a backend can keep files staged nearer."""
+        return None
+
     # --- the algorithm ---
+
+    @contextlib.asynccontextmanager
+    async def staging(self) -> AsyncIterator[Path]:
+        """A fresh local dir to write a publish's or checkpoint's files in, removed afterwards. The local store keeps
+        files staged here by hard link instead of a copy: write each one whole before handing it over, never after."""
+        directory = Path(tempfile.mkdtemp(prefix="jetroll-staging-", dir=self._staging_root()))
+        try:
+            yield directory
+        finally:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     def uri(self, version: int) -> str:
         """Where the version's manifest lives, for the `weights` event."""

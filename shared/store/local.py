@@ -11,7 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.shared.store.base import LATEST, WeightStore, parse_number, version_name
-from jetroll.shared.store.files import MANIFEST, Shard, copy_tree, verify_files, write_atomic, write_create_only
+from jetroll.shared.store.files import (
+    MANIFEST,
+    Shard,
+    copy_tree,
+    take_tree,
+    verify_files,
+    write_atomic,
+    write_create_only,
+)
+
+STAGING = ".staging"  # not a `v{N}` or `step{N}` name: listings skip it
 
 
 class LocalWeightStore(WeightStore):
@@ -24,6 +34,8 @@ class LocalWeightStore(WeightStore):
         self.job_dir = self.root / job_id
         self.weights_dir = self.job_dir / "weights"
         self.checkpoints_dir = self.job_dir / "checkpoints"
+        self.staging_dir = self.job_dir / STAGING
+        self._staging_swept = False
 
     def version_dir(self, version: int) -> Path:
         return self.weights_dir / version_name(version)
@@ -42,12 +54,23 @@ class LocalWeightStore(WeightStore):
         except FileNotFoundError:
             return None
 
+    def _staging_root(self) -> Path:
+        """Staged files live on the store's filesystem, so a publish links them in place of a copy (13 MB a step
+        written and fsynced once, not twice, for the default job). The trainer is a job's one writer: what a dead
+        one staged goes when the next stages."""
+        if not self._staging_swept:
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+            self._staging_swept = True
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        return self.staging_dir
+
     async def _put_tree(self, io: Any, src_dir: Path, prefix: str) -> list[Shard]:
         def put() -> list[Shard]:
             dst = self.job_dir / prefix
             shutil.rmtree(dst, ignore_errors=True)  # leftovers of a write that died before its manifest
             dst.mkdir(parents=True)
-            return copy_tree(src_dir, dst)
+            staged = src_dir.resolve().is_relative_to(self.staging_dir)
+            return take_tree(src_dir, dst) if staged else copy_tree(src_dir, dst)
 
         return await asyncio.to_thread(put)
 

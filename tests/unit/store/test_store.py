@@ -65,6 +65,28 @@ def test_corrupted_or_missing_shard_is_refused(tmp_path: Path) -> None:
 
 
 
+def test_a_staged_publish_keeps_its_files_by_link_and_any_other_is_copied(tmp_path: Path) -> None:
+    store = LocalWeightStore(tmp_path / "store", "job1")
+    (store.staging_dir / "dead-writer").mkdir(parents=True)  # what a trainer that died left staged
+
+    async def publish_staged() -> tuple[Path, dict[str, int]]:
+        async with store.staging() as staging:
+            assert staging.parent == store.staging_dir and not (store.staging_dir / "dead-writer").exists()
+            src = model_dir(staging / "weights")
+            inodes = {p.name: p.stat().st_ino for p in src.iterdir()}
+            await store.publish(0, 0, src, precision_id="abc123", dtype="float32", parent=None)
+            return staging, inodes
+
+    staging, inodes = asyncio.run(publish_staged())
+    assert not staging.exists()
+    stored = asyncio.run(store.fetch(0))  # verified: the manifest hashed the linked files
+    assert {name: (stored / name).stat().st_ino for name in inodes} == inodes
+    src = model_dir(tmp_path / "src", seed=1)
+    publish(store, 1, src)
+    assert all((store.version_dir(1) / p.name).stat().st_ino != p.stat().st_ino for p in src.iterdir())
+    assert (store.version_dir(1) / "config.json").read_text() == (src / "config.json").read_text()
+
+
 def test_the_latest_swap_refuses_a_stale_expectation(tmp_path: Path) -> None:
     store = LocalWeightStore(tmp_path / "store", "job1")
     publish(store, 4, model_dir(tmp_path / "src"))

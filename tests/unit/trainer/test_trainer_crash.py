@@ -155,3 +155,22 @@ def test_a_trainer_refuses_a_store_whose_newest_version_has_no_state(
 
     with pytest.raises(RuntimeError, match="LATEST is version 2, but its newest trainer state that verifies is"):
         asyncio.run(body())
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp8_unified"])
+def test_a_commit_stores_each_distinct_file_once(
+        mode: str, model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None) -> None:  # noqa: F811
+    """The version's files that equal its checkpoint's are one file in the local store: the tokenizer's always, the
+    model's when the masters are what rollout computes with (fp32). Nothing staged stays behind."""
+    job_id = f"c{uuid.uuid4().hex[:8]}"
+    run_life(lambda: make_trainer(model_dir, tmp_path, redis_url, job_id=job_id, precision={"mode": mode},
+                                  **SECTIONS), range(4))
+    store = tmp_path / "store" / job_id
+    version, checkpoint = store / "weights" / "v00000002", store / "checkpoints" / "step00000002"
+
+    def same_file(name: str) -> bool:
+        return (version / name).stat().st_ino == (checkpoint / name).stat().st_ino
+
+    assert same_file("tokenizer.json") and same_file("tokenizer_config.json")
+    assert same_file("model.safetensors") == same_file("config.json") == (mode == "fp32")
+    assert list((store / ".staging").iterdir()) == []
