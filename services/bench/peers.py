@@ -32,7 +32,7 @@ from jetroll.services.bench.learning import KERNELS, parse_seeds
 from jetroll.services.bench.processes import descendants, processes, stop_like_ctrl_c
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
-from jetroll.shared.errors import ConfigError
+from jetroll.shared.errors import ConfigError, WarmStartError
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/peers")
@@ -139,7 +139,9 @@ def build_base(kernel: str, kernel_dir: Path, job: PeerJob) -> Path:
     command = [sys.executable, "-m", "jetroll.services.cli", "init-model", str(job.path),
                "--set", f"model.cache_dir={cache}", *job.set_args]
     print(f"bench peers: {kernel}: the base ...", file=sys.stderr, flush=True)
-    subprocess.run(command, env=kernel_env(kernel, kernel_dir), check=True, stdout=subprocess.DEVNULL)
+    code = subprocess.run(command, env=kernel_env(kernel, kernel_dir), stdout=subprocess.DEVNULL).returncode
+    if code != 0:  # init-model printed why
+        raise WarmStartError(f"bench peers: {kernel}: building the base failed (init-model exited {code})")
     return ensure_base_model(job.load(f"model.cache_dir={cache}").model, progress=False)
 
 

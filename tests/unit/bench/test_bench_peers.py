@@ -55,3 +55,16 @@ def test_job_problems_follow_the_admission_draws() -> None:
 def test_completion_text_reads_both_formats() -> None:
     assert completion_text("12+3=15.") == "12+3=15."
     assert completion_text([{"role": "assistant", "content": "12+3=15."}]) == "12+3=15."
+
+
+def test_a_base_that_cannot_build_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """init-model's own message is the user's; the bench adds one line, not a traceback of its subprocess."""
+    from jetroll.services.bench.peers import PeerJob, build_base
+    from jetroll.shared.errors import WarmStartError
+
+    config = tmp_path / "job.yaml"
+    config.write_text((REPO / "configs" / "dataset_math.yaml").read_text().replace(
+        "data/math_word.jsonl", str(tmp_path / "missing.jsonl")))
+    with pytest.raises(WarmStartError, match="native: building the base failed"):
+        build_base("native", tmp_path / "native", PeerJob(config, [], (0.5,)))
+    assert f"dataset {tmp_path / 'missing.jsonl'}: no such file" in capfd.readouterr().err
