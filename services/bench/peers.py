@@ -178,6 +178,8 @@ class TreeSampler:
     def __init__(self, root: int, progress: Path, out: Path) -> None:
         self.root, self.progress, self.out = root, progress, out
         self.samples: list[dict[str, Any]] = []
+        # a process keeps the name it was first given by its service: an exiting one has no command line left
+        self.names = {root: "launcher"}
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -188,11 +190,13 @@ class TreeSampler:
 
     def sample(self) -> dict[str, Any]:
         table = processes()
-        names = {self.root: "launcher"}
         cpu: dict[str, float] = {}
         for process in descendants(self.root, table):  # parents come before their children
-            name = names.get(process.pid) or process.service or f"{names.get(process.parent, 'other')}/child"
-            names[process.pid] = name
+            parent = table.get(process.parent)
+            forked = parent is not None and process.args == parent.args  # not exec'd (yet): its parent's copy
+            if process.service and not forked:
+                self.names.setdefault(process.pid, process.service)
+            name = self.names.get(process.pid) or f"{self.names.get(process.parent, 'other')}/child"
             cpu[name] = cpu.get(name, 0.0) + process.cpu_s
         try:
             lines = self.progress.read_text().count("\n")
@@ -265,7 +269,11 @@ def evaluation(config: JobConfig, directories: dict[int, Path], eval_problems: i
 def cpu_window(samples: list[dict[str, Any]], first_line: int) -> dict[str, Any]:
     """CPU over the steps: from the first sample that saw step 1 done to the first that saw the last one."""
     started = next(s for s in samples if s["lines"] >= first_line)
+    # the first sample at the last step, or, if a service had exited by then (its CPU seconds gone with it), the last
+    # one that still saw every process the window started with
     ended = next(s for s in samples if s["lines"] == samples[-1]["lines"])
+    if not started["cpu_s"].keys() <= ended["cpu_s"].keys():
+        ended = next(s for s in reversed(samples) if started["cpu_s"].keys() <= s["cpu_s"].keys())
     steps = ended["lines"] - started["lines"]
     wall = ended["wall_s"] - started["wall_s"]
     per_service = {name: (ended["cpu_s"].get(name, 0.0) - started["cpu_s"].get(name, 0.0)) / max(steps, 1)
