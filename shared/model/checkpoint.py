@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.args import ModelArgs
@@ -55,9 +57,15 @@ def pretrained_tensors(model: CausalLM, publish: Precision | None = None) -> tup
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file, serialized in memory and written by Python, so a full disk raises the OSError it is
-    (safetensors' own writer reports it as a SafetensorError, without the errno)."""
-    path.write_bytes(save(tensors, metadata=metadata))
+    """A safetensors file, streamed by safetensors' own writer (serializing it in memory first would double the peak
+    of a real model's checkpoint). That writer reports an I/O error as a SafetensorError naming the OS error: it is
+    raised as the OSError it is, so a full disk reads as one."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        if (os_error := re.search(r"\(os error (\d+)\)", str(exc))) is None:
+            raise
+        raise OSError(int(os_error.group(1)), f"{path}: {exc}") from exc
 
 
 def write_pretrained(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.model.args import ModelArgs
-from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
+from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained, save_tensors
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
@@ -173,3 +173,12 @@ def test_a_published_version_reloads_in_transformers_with_the_same_logits_and_to
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "published", attn_implementation="eager")
     ids = token_ids()
     assert (hf_logprobs(reloaded.eval(), ids) - jetroll_logprobs(tmp_path / "hf", ids)).abs().max().item() <= 1e-4
+
+
+def test_a_tensor_file_that_cannot_be_written_raises_the_os_error_it_is(tmp_path: Path) -> None:
+    """The commit tells a full disk (ENOSPC) from a bug by the errno: safetensors' writer hides it in a message."""
+    tensors = {"w": torch.ones(4)}
+    save_tensors(tmp_path / "w.safetensors", tensors, metadata={"format": "pt"})
+    assert torch.equal(load_file(str(tmp_path / "w.safetensors"))["w"], tensors["w"])
+    with pytest.raises(FileNotFoundError, match="missing/w.safetensors"):
+        save_tensors(tmp_path / "missing" / "w.safetensors", tensors)
