@@ -8,6 +8,7 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -26,10 +27,15 @@ class Shard(msgspec.Struct, frozen=True):
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
+        return _read_sha256(f)
+
+
+def _read_sha256(f: BinaryIO) -> str:
+    """sha256 of what is left to read in `f`, read in chunks."""
+    digest = hashlib.sha256()
+    while chunk := f.read(CHUNK_BYTES):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -77,16 +83,14 @@ def take_tree(src_dir: Path, dst_dir: Path) -> list[Shard]:
     shards = []
     for src in source_files(src_dir):
         key = src.relative_to(src_dir).as_posix()
-        digest = hashlib.sha256()
         with src.open("rb") as f:
-            while chunk := f.read(CHUNK_BYTES):
-                digest.update(chunk)
+            sha256 = _read_sha256(f)
             os.fsync(f.fileno())  # a no-op for a file already synced under another name
             size = f.tell()
         dst = dst_dir / key
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.link(src, dst)
-        shards.append(Shard(key=key, sha256=digest.hexdigest(), size_bytes=size))
+        shards.append(Shard(key=key, sha256=sha256, size_bytes=size))
     return shards
 
 
