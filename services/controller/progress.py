@@ -82,6 +82,12 @@ class MetricsBook:
         return mean, tokens / max(self.totals["num_policy_tokens"], 1.0)
 
 
+def _measured(row: dict[str, float], key: str, spec: str) -> str:
+    """A metric as the console shows it: `n/a` for a step that measured none (no token to measure), never nan."""
+    value = row.get(key, math.nan)
+    return "n/a" if math.isnan(value) else format(value, spec)
+
+
 class ProgressView:
     """A rich live table on a terminal; one plain line per step elsewhere (CI logs)."""
 
@@ -112,8 +118,8 @@ class ProgressView:
                 parts.append(f"{task}: reward {row.get(f'reward/{task}', float('nan')):.3f} "
                              f"acc {row.get(f'accuracy/{task}', float('nan')):.3f}")
             parts.append(f"tok/s {row['rollout_tokens_per_s']:.0f} lag {row.get('lag_mean', 0):.2f} "
-                         f"mismatch {row.get('precision_mismatch', float('nan')):.2e} "
-                         f"k3 {row.get('mismatch/k3', float('nan')):.1e}")
+                         f"mismatch {_measured(row, 'precision_mismatch', '.2e')} "
+                         f"k3 {_measured(row, 'mismatch/k3', '.1e')} of {_measured(row, 'mismatch_coverage', '.1%')}")
             print(" | ".join(parts), flush=True)
 
     def _table(self) -> Table:
@@ -129,12 +135,12 @@ class ProgressView:
                 table.add_row(f"{task} held-out accuracy (v{int(ev['version'])})", f"{ev.get(task, float('nan')):.3f}")
         table.add_row("rollout tokens/s", f"{self.book.rollout_tokens_per_s():.0f}")
         table.add_row("lag mean / max", f"{row.get('lag_mean', 0):.2f} / {row.get('lag_max', 0):.0f}")
-        nan = float("nan")
         table.add_row("precision mismatch |dlogp| mean / max",
-                      f"{row.get('precision_mismatch', nan):.2e} / {row.get('mismatch/abs_max', nan):.2e}")
-        table.add_row("mismatch k3 / seq |sum dlogp|",
-                      f"{row.get('mismatch/k3', nan):.2e} / {row.get('mismatch/seq_delta_abs_mean', nan):.2e}")
-        table.add_row("mismatch TIS clip frac", f"{row.get('mismatch/tis_clip_frac', nan):.3f}")
+                      f"{_measured(row, 'precision_mismatch', '.2e')} / {_measured(row, 'mismatch/abs_max', '.2e')}")
+        table.add_row("mismatch k3 / seq |sum dlogp|", f"{_measured(row, 'mismatch/k3', '.2e')} / "
+                      f"{_measured(row, 'mismatch/seq_delta_abs_mean', '.2e')}")
+        table.add_row("mismatch TIS clip frac", _measured(row, "mismatch/tis_clip_frac", ".3f"))
+        table.add_row("mismatch coverage (of policy tokens)", _measured(row, "mismatch_coverage", ".1%"))
         table.add_row("dropped groups", str(self.num_dropped))
         for stream, lag in self.stream_lags.items():
             table.add_row(f"lag {stream}", str(lag))

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from jetroll.services.trainer.mismatch import MismatchSampler
 from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained, torch_device
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import PendingGroup, TokenBatch, collate
 from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
-from jetroll.shared.rl.mismatch import mismatch_stats, one_version_tokens
+from jetroll.shared.rl.mismatch import mismatch_stats
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.rl.staleness import fresh_tokens
 from jetroll.shared.tasks.registry import get_task
@@ -31,11 +34,13 @@ class Actor:
             self.reference, _ = load_pretrained(config.model.path, numerics, self.device)
             self.reference.requires_grad_(False)
             self.reference.share_inference_masters()
+        self.mismatch = MismatchSampler(self.model, config)
 
     def step(self, groups: list[PendingGroup], version: int) -> dict[str, float]:
         """batch -> pi_prox -> advantages -> the corrected PPO loss -> one optimizer step, at the trainer's `version`
         (the caller publishes)."""
         cfg = self.config.trainer
+        self.mismatch.keep(version, self.model)
         batch = collate(groups, self.tokenizer.pad_id, self.device)
         # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
         # get no pass of their own in async mode (passes.py), unless a KL term gives them a gradient
@@ -84,29 +89,35 @@ class Actor:
         # the policy tokens of the rows the step scored: the gradient rows (every row on the exact backend)
         mask = (batch.loss_mask > 0) & policy.scored[:, None]
         entropy = float(policy.entropy[mask].mean()) if mask.any() else float("nan")  # of pi_prox, the step's start
-        return {"entropy": entropy} | self._mismatch_stats(batch, policy.prox_logp, mask, version) | _task_stats(batch)
+        return {"entropy": entropy} | self._mismatch_stats(batch, policy, version) | _task_stats(batch)
 
-    def _mismatch_stats(self, batch: TokenBatch, prox_logp: torch.Tensor, mask: torch.Tensor,
-                        version: int) -> dict[str, float]:
-        same_version = one_version_tokens(mask, batch.v_tok, version,
-                                          kept_kv=not self.config.rollout.recompute_kv_on_swap)
-        abs_delta = (prox_logp - batch.behavior_logp).abs()
-        delta = abs_delta[same_version]
-        per_pool = {}  # pools may run different engines: each has its own gap to the trainer
-        for pool in sorted(set(batch.pools)):
-            rows = torch.tensor([p == pool for p in batch.pools], device=mask.device)
-            pool_delta = abs_delta[same_version & rows[:, None]]
-            per_pool[f"mismatch/pool/{pool}"] = float(pool_delta.mean()) if pool_delta.numel() else float("nan")
-        stats = mismatch_stats(prox_logp, batch.behavior_logp, same_version, self.config.precision.correction_cap)
+    def _mismatch_stats(self, batch: TokenBatch, policy: PolicyPass, version: int) -> dict[str, float]:
+        started = time.perf_counter()
+        trainer_logp, measured = self.mismatch.measure(batch, policy.prox_logp, policy.scored, version)
+        sample_s = time.perf_counter() - started
         policy_tokens = batch.loss_mask > 0
-        return stats | per_pool | {
+        abs_delta = (trainer_logp - batch.behavior_logp).abs()
+        delta = abs_delta[measured]
+        stats = mismatch_stats(trainer_logp, batch.behavior_logp, measured, self.config.precision.correction_cap)
+        # pools may run different engines: each has its own gap to the trainer
+        rollout = self.config.rollout
+        sources = {f"pool/{pool}": [p == pool for p in batch.pools] for pool in sorted(set(batch.pools))}
+        for engine in sorted({rollout.engine_of(rollout.pool(pool)) for pool in batch.pools}):
+            sources[f"engine/{engine}"] = [rollout.engine_of(rollout.pool(p)) == engine for p in batch.pools]
+        for name, of_source in sources.items():
+            rows = torch.tensor(of_source, device=measured.device)[:, None]
+            source_delta = abs_delta[measured & rows]
+            stats[f"mismatch/{name}/abs_mean"] = float(source_delta.mean()) if source_delta.numel() else float("nan")
+            stats[f"mismatch/{name}/coverage"] = float(source_delta.numel() / (policy_tokens & rows).sum().clamp(min=1))
+        return stats | {
             "mismatch_abs_sum": float(delta.sum()),
             "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
-            "mismatch_tokens": float(same_version.sum()),
+            "mismatch_tokens": float(measured.sum()),
             "num_policy_tokens": float(policy_tokens.sum()),
             "precision_mismatch": float(delta.mean()) if delta.numel() else float("nan"),
-            # of every policy token in the batch, scored or not
-            "mismatch_coverage": float(same_version.sum() / policy_tokens.sum().clamp(min=1)),
+            # of every policy token in the batch, measured or not
+            "mismatch_coverage": float(measured.sum() / policy_tokens.sum().clamp(min=1)),
+            "mismatch_sample_s": sample_s,
         }
 
 

@@ -13,6 +13,16 @@ from jetroll.shared.numerics import BLOCK_LINEARS, Precision
 BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+class MismatchConfig(Strict):
+    """How the trainer measures the precision mismatch (docs/architecture.md, "Measuring the mismatch")."""
+
+    sample: float = Field(
+        0.125, ge=0, le=1, description="share of each async batch's rows scored at the weight version that sampled "
+        "each token, so that the mismatch is measured apart from staleness (rows chosen by a hash of their traj_id; "
+        "costs a no-grad pass over them and keeps the masters of the last eta_hard versions); 0 measures only the "
+        "tokens of the trainer's own version that the step scores anyway. Sync mode scores every row whatever this is")
+
+
 class PrecisionConfig(Strict):
     """One precision flow shared by rollout and the trainer's forward pass (docs/architecture.md, "Precision").
 
@@ -47,6 +57,7 @@ class PrecisionConfig(Strict):
     decoupled_band: tuple[float, float] = Field((0.0, 10.0), description="decoupled keeps tokens with r in "
                                                 "[low, high]")
     icepop_band: tuple[float, float] = Field((0.5, 2.0), description="icepop keeps tokens with r in [low, high]")
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> PrecisionConfig:
@@ -59,8 +70,10 @@ class PrecisionConfig(Strict):
 
     @property
     def precision_id(self) -> str:
-        """Hash of the numeric precision config (the loss's correction aside), stamped on every trajectory."""
-        numeric = self.model_dump_json(exclude={"correction", "correction_cap", "decoupled_band", "icepop_band"})
+        """Hash of the numeric precision config (the loss's correction and the mismatch's measurement aside), stamped
+        on every trajectory."""
+        numeric = self.model_dump_json(exclude={"correction", "correction_cap", "decoupled_band", "icepop_band",
+                                                "mismatch"})
         return hashlib.sha256(numeric.encode()).hexdigest()[:12]
 
     def rollout_precision_id(self, engine: str) -> str:

@@ -101,6 +101,7 @@ class TokenBatch:
     rewards: torch.Tensor  # [G, group_size]
     tasks: list[str]  # per sequence
     pools: list[str]  # per sequence: the rollout pool that generated it
+    traj_ids: list[str]  # per sequence
     is_correct: list[bool]  # per sequence
 
 
@@ -140,6 +141,7 @@ def collate(groups: list[PendingGroup], pad_id: int, device: torch.device | str 
         rewards=on_device(np.array([[e.reward for e in g.events] for g in groups], dtype=np.float32)),
         tasks=[e.trajectory.task for e in events],
         pools=[e.trajectory.pool for e in events],
+        traj_ids=[e.trajectory.traj_id for e in events],
         is_correct=[bool(e.details.get("correct", False)) for e in events],
     )
 

@@ -1,5 +1,5 @@
 """Training-inference mismatch (Jet-RL's diagnostics): per token, delta = logp_trainer - logp_rollout at the same
-weight version, so any nonzero delta is numerics, not staleness.
+weight version, so any nonzero delta is numerics, not staleness (`scorable_versions` says which version that is).
 
   abs_mean, abs_max     mean and max |delta|
   k3                    mean(e^delta - 1 - delta): estimates KL(rollout || trainer) on rollout samples
@@ -30,14 +30,18 @@ def _token_stats(delta: torch.Tensor, tis_cap: float) -> dict[str, float]:
     }
 
 
-def one_version_tokens(mask: torch.Tensor, v_tok: torch.Tensor, version: int, kept_kv: bool) -> torch.Tensor:
-    """The tokens of `mask` whose log-prob rollout computed entirely at `version`: sampled at it and, when rollout kept
-    its KV caches across swaps, with every earlier position of the completion computed at it too."""
-    same = mask & (v_tok == version)
-    if kept_kv:
-        completion = mask.cumsum(1) > 0  # from the first policy token on; prompt keys come from that token's forward
-        same &= (completion & (v_tok != version)).cumsum(1) == 0
-    return same
+def scorable_versions(mask: torch.Tensor, v_tok: torch.Tensor, kept_kv: bool) -> torch.Tensor:
+    """Per token of `mask` (bool [B, T]), the one version whose full forward pass reproduces the log-prob rollout
+    recorded for it, or -1 where none does. With caches recomputed on a swap that is the token's own version. With
+    kept caches a token after a swap attended to keys an older version wrote, so only each row's first-version
+    segment has one: from its first policy token (whose forward also wrote the prompt's keys) up to the first token,
+    policy or not, of another version."""
+    if not kept_kv:
+        return torch.where(mask, v_tok, -1)
+    completion = mask.cumsum(1) > 0
+    first = v_tok.gather(1, completion.int().argmax(1, keepdim=True)).expand_as(v_tok)
+    segment = (completion & (v_tok != first)).cumsum(1) == 0
+    return torch.where(mask & segment, first, -1)
 
 
 def mismatch_stats(

@@ -38,7 +38,7 @@ def test_smoke_job_on_vllm(start_job: Callable[..., Job]) -> None:
     # vLLM in fp32 is not bitwise jetroll's trainer, but it computes the same function: at the same version the two
     # log-probs differ by float rounding only
     assert summary["mismatch_mean_abs_logprob"] < 1e-4, summary["mismatch_mean_abs_logprob"]
-    per_pool = [r["mismatch/pool/default"] for r in job.metrics()]
+    per_pool = [r["mismatch/pool/default/abs_mean"] for r in job.metrics()]
     measured = [v for v in per_pool if not math.isnan(v)]  # nan: a step that trained no same-version token
     assert measured and max(measured) < 1e-4, per_pool
     assert "serving version 0 on vllm" in job.service_log("rollout-default-0")

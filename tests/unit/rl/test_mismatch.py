@@ -9,7 +9,7 @@ import torch
 
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.rl.loss import behavior_correction
-from jetroll.shared.rl.mismatch import mismatch_stats, one_version_tokens
+from jetroll.shared.rl.mismatch import mismatch_stats, scorable_versions
 
 
 def test_mismatch_stats_on_known_deltas() -> None:
@@ -45,18 +45,19 @@ def test_no_tokens_no_stats_and_equal_logprobs_are_zero() -> None:
     assert stats["mismatch/tokens@0-127"] == 120
 
 
-def test_one_version_tokens_with_kept_kv_need_the_whole_completion_at_the_version() -> None:
+def test_scorable_versions_with_kept_kv_end_at_the_first_swap() -> None:
     # row 0: prompt (mask 0), then tokens at versions 4 4 5 5; row 1: 5 5, an observation at 5 (mask 0), then 5
     mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 0, 1]]).bool()
     v_tok = torch.tensor([[0, 4, 4, 5, 5], [0, 5, 5, 5, 5]])
-    recomputed = one_version_tokens(mask, v_tok, 5, kept_kv=False)
-    kept = one_version_tokens(mask, v_tok, 5, kept_kv=True)
-    assert recomputed.tolist() == [[False, False, False, True, True], [False, True, True, False, True]]
-    # row 0's version-5 tokens were computed over keys version 4 wrote: not version 5's log-probs
-    assert kept.tolist() == [[False] * 5, [False, True, True, False, True]]
-    # an observation written at an older version taints every token after it
+    assert scorable_versions(mask, v_tok, kept_kv=False).tolist() == [[-1, 4, 4, 5, 5], [-1, 5, 5, -1, 5]]
+    # row 0's version-5 tokens were computed over keys version 4 wrote: no one version's pass gives their log-probs
+    assert scorable_versions(mask, v_tok, kept_kv=True).tolist() == [[-1, 4, 4, -1, -1], [-1, 5, 5, -1, 5]]
+    # an observation written at an older version ends the segment too
     v_tok[1, 3] = 4
-    assert one_version_tokens(mask, v_tok, 5, kept_kv=True).tolist()[1] == [False, True, True, False, False]
+    assert scorable_versions(mask, v_tok, kept_kv=True).tolist()[1] == [-1, 5, 5, -1, -1]
+    # a row without policy tokens has none
+    assert scorable_versions(torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 3, dtype=torch.long),
+                             kept_kv=True).tolist() == [[-1, -1, -1]]
 
 
 def test_behavior_corrections() -> None:

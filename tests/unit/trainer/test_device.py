@@ -16,6 +16,7 @@ import pytest
 import torch
 from trainer_harness import events_with_ratios, flat_parameters, groups_of, make_trainer
 
+from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
@@ -77,14 +78,24 @@ def test_a_trainer_step_makes_every_tensor_on_its_models_device(
     model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None  # noqa: F811
 ) -> None:
     """The real `Trainer._step`, with a KL reference: batch assembly, the packed forward, the chunked head and its
-    backward, the loss and AdamW."""
+    backward, the loss and AdamW; then a second step, whose tokens one version old the mismatch sampler scores with
+    the kept weights of that version."""
     events = events_with_ratios(make_trainer(model_dir, tmp_path / "probe", redis_url))
-    sections = {"trainer": {"group_size": 4, "kl_coef": 0.01}}
+    sections = {"trainer": {"group_size": 4, "kl_coef": 0.01}, "precision": {"mismatch": {"sample": 0.5}}}
+
+    def two_steps(trainer: Trainer) -> list[dict[str, float]]:
+        first = trainer._step(groups_of(events))
+        trainer.version = 1
+        # the sampler's own clock aside, every figure must be the same
+        return [{k: v for k, v in stats.items() if k != "mismatch_sample_s"}
+                for stats in (first, trainer._step(groups_of(events)))]
+
     host = make_trainer(model_dir, tmp_path / "host", redis_url, **sections)
-    expected = host._step(groups_of(events))
+    expected = two_steps(host)
+    assert expected[1]["mismatch_tokens"] > 0
     trainer = make_trainer(model_dir, tmp_path / "meta", redis_url, **sections)
     with tensors_default_to_meta():
-        stats = trainer._step(groups_of(events))
+        stats = two_steps(trainer)
     assert stats == expected
     assert torch.equal(flat_parameters(trainer), flat_parameters(host))
 

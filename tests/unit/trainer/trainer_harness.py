@@ -45,11 +45,12 @@ def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, job_id: str | N
 
 
 def trajectory(job_id: str, row: int, completion: list[int], behavior_logp: list[float],
-               rewards: tuple[tuple[float, ...], ...] = REWARDS) -> ScoredEvent:
+               rewards: tuple[tuple[float, ...], ...] = REWARDS, v_tok: list[int] | int = 0) -> ScoredEvent:
     group, sample = divmod(row, 4)
     tokenizer = build_char_tokenizer()
     traj = make_trajectory(f"g{group}:{sample}", completion, job_id=job_id, prompt=PROMPTS[group], answer="0",
-                           prompt_ids=tokenizer.encode(PROMPTS[group]), behavior_logprobs=behavior_logp, group_size=4)
+                           prompt_ids=tokenizer.encode(PROMPTS[group]), behavior_logprobs=behavior_logp, group_size=4,
+                           v_tok=v_tok)
     return scored(traj, rewards[group][sample])
 
 
@@ -64,8 +65,10 @@ def groups_of(events: list[ScoredEvent]) -> list[PendingGroup]:
 
 
 def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...], ...] = RATIOS,
-                       rewards: tuple[tuple[float, ...], ...] = REWARDS) -> list[ScoredEvent]:
-    """Events whose mu = the trainer's own log-prob of each token minus log(ratio): pi_prox / mu = the ratios."""
+                       rewards: tuple[tuple[float, ...], ...] = REWARDS,
+                       v_toks: tuple[list[int] | int, ...] | None = None) -> list[ScoredEvent]:
+    """Events whose mu = the trainer's own log-prob of each token minus log(ratio): pi_prox / mu = the ratios; each
+    row's tokens carry the versions `v_toks` gives it (0 by default)."""
     job = trainer.config.job_id
     completions = [[trainer.actor.tokenizer.encode(str(d))[0] for d in range(len(r))] for r in ratios_of_rows]
     placeholder = [trajectory(job, i, c, [0.0] * len(c)) for i, c in enumerate(completions)]
@@ -74,7 +77,8 @@ def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...]
     events = []
     for row, (completion, ratios) in enumerate(zip(completions, ratios_of_rows, strict=True)):
         own = logp[row][batch.loss_mask[row] > 0]
-        events.append(trajectory(job, row, completion, (own - torch.tensor(ratios).log()).tolist(), rewards))
+        v_tok = 0 if v_toks is None else v_toks[row]
+        events.append(trajectory(job, row, completion, (own - torch.tensor(ratios).log()).tolist(), rewards, v_tok))
     return events
 
 
