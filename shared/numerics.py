@@ -1,10 +1,16 @@
 """The numerics of one precision flow, as the model and the engines take them: a small frozen value, free of torch and
-of the config (`PrecisionConfig.numerics()` makes one; tests build them directly)."""
+of the config (`PrecisionConfig.numerics()` makes one; tests build them directly); and the quantization plan that
+flow makes of a model (`quantization_plan` in shared/model/checkpoint.py derives one)."""
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
+
+import msgspec
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # linears that read the same input share one inference GEMM, so they share one format
@@ -49,3 +55,60 @@ class Precision:
     def trainer_side(self) -> Precision:
         """The precision of the trainer's own passes: bf16 under fp8_rollout_only, else this one."""
         return replace(self, mode="bf16") if self.mode == "fp8_rollout_only" else self
+
+
+MASTERS = "fp32_masters"  # what jetroll's quantizer reads: the trainer's fp32 masters, never a rounded copy
+PLAIN_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}  # a format -> the torch dtype it is published in
+
+
+class QuantizationPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a precision flow does to each parameter of a model. The trainer records it in every version it publishes;
+    a rollout worker derives its own and refuses a version whose plan or tensors differ (docs/architecture.md, "The
+    quantization plan"). The field's quiet FP8 failures are exclusions that differ between the two sides and
+    quantizers that read different sources: neither fails anything, so both sides name them and compare."""
+
+    source: str  # what the quantizer reads
+    scale_format: str  # FP8 weight scales: fp32, or ue8m0 (powers of two)
+    activation_group: int  # FP8 activations are quantized in groups of 1 x this along K
+    params: dict[str, str]  # every published tensor but the scales -> its format: e4m3[128x128], bf16 or fp32
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:12]
+
+    def first_difference(self, other: QuantizationPlan, mine: str, theirs: str) -> str | None:
+        """The first thing the two plans do differently, in words (`mine` and `theirs` say whose plan is whose);
+        None when they agree."""
+        for field in ("source", "scale_format", "activation_group"):
+            if getattr(self, field) != getattr(other, field):
+                return f"{field} is {getattr(self, field)} in {mine} and {getattr(other, field)} in {theirs}"
+        for name in [*self.params, *(p for p in other.params if p not in self.params)]:
+            if self.params.get(name) != other.params.get(name):
+                return (f"{name} is {self.params.get(name, 'absent')} in {mine} and "
+                        f"{other.params.get(name, 'absent')} in {theirs}")
+        return None
+
+    def check_tensors(self, tensors: Mapping[str, Any]) -> str | None:
+        """What in `tensors` (a version's, by name) does not follow the plan, in words; None when all of it does."""
+        for name, fmt in self.params.items():
+            tensor = tensors.get(name)
+            if tensor is None:
+                return f"{name} is missing"
+            if fmt in PLAIN_DTYPES:
+                if str(tensor.dtype) != PLAIN_DTYPES[fmt]:
+                    return f"{name} is {tensor.dtype}, and its plan says {fmt}"
+                continue
+            block = int(fmt.split("[", 1)[1].split("x", 1)[0])
+            scales = tensors.get(_scale_name(name))
+            expected = (math.ceil(tensor.shape[0] / block), math.ceil(tensor.shape[1] / block))
+            if str(tensor.dtype) != "torch.float8_e4m3fn" or scales is None or tuple(scales.shape) != expected:
+                found = "no scales" if scales is None else f"scales {tuple(scales.shape)}"
+                return f"{name} is {tensor.dtype} with {found}, and its plan says {fmt} with scales {expected}"
+        planned = set(self.params) | {_scale_name(n) for n, fmt in self.params.items() if fmt not in PLAIN_DTYPES}
+        if stray := sorted(set(tensors) - planned):
+            return f"{stray[0]} is not in the plan"
+        return None
+
+
+def _scale_name(weight: str) -> str:
+    return weight.removesuffix("weight") + "weight_scale_inv"

@@ -24,19 +24,25 @@ from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.engine.timing import TimingEngine
 from jetroll.shared.engine.turns import TurnRunner
 from jetroll.shared.engine.vllm import VllmEngine
-from jetroll.shared.model.checkpoint import load_pretrained, read_args, torch_device
+from jetroll.shared.errors import JobFailedError
+from jetroll.shared.model.checkpoint import load_pretrained, quantization_plan, read_args, torch_device
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
+from jetroll.shared.numerics import QuantizationPlan
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, groups_stream
 from jetroll.shared.protocol.validate import EventLimits, check_group, expecting
-from jetroll.shared.store.base import WeightStore, WeightStoreError
+from jetroll.shared.store.base import WeightStore, WeightStoreError, encode_manifest
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.rollout")
+
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for p in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(p)).items()}
 
 @dataclass(slots=True)
 class InFlightGroup:
@@ -59,7 +65,8 @@ class RolloutWorker:
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine_name = config.rollout.engine_of(self.pool)
-        self.precision_id = config.precision.rollout_precision_id(self.engine_name)
+        self.plan: QuantizationPlan | None = None  # this worker's, from the model's shape and the job's precision
+        self.precision_id = ""  # stamped on trajectories: set with the plan
         self.engine: RolloutEngine | None = None
         self.limits: EventLimits | None = None  # set with the engine: token ids must fit its embedding
         self.tokenizer: Tokenizer | None = None
@@ -76,7 +83,11 @@ class RolloutWorker:
     async def run(self) -> None:
         await self.bus.ensure_group(self.stream.name, self.stream.group)
         version = await self._wait_for_weights()
-        self.engine = self._setup_engine(await self.store.fetch(version))
+        directory = await self.store.fetch(version)
+        self.plan = quantization_plan(read_args(directory)[0], self.config.precision.numerics())
+        self.precision_id = self.config.precision.rollout_precision_id(self.engine_name, self.plan.digest)
+        await self._check_plan(version, await asyncio.to_thread(_read_tensors, directory))
+        self.engine = self._setup_engine(directory)
         if not isinstance(self.engine, TimingEngine):  # the timing model runs no kernels and no environments
             probe(self.engine, self.engine_name)
             assert self.tokenizer is not None
@@ -86,11 +97,13 @@ class RolloutWorker:
         self.serving_since = self.ticked_at = time.monotonic()
         log.info("%s serving version %d on %s (start-up %.1f s)", self.consumer, version, self.engine_name,
                  self.engine.compile_s)
-        watcher = asyncio.create_task(self._watch_weights())
         try:
-            await self._loop()
+            async with asyncio.TaskGroup() as tasks:  # a version the watcher refuses fails the worker too
+                tasks.create_task(self._watch_weights())
+                tasks.create_task(self._loop())
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
         finally:
-            watcher.cancel()
             if self.turns is not None:
                 await self.turns.close()
 
@@ -150,12 +163,32 @@ class RolloutWorker:
     async def _load(self, version: int) -> None:
         try:
             directory = await self.store.fetch(version)
-            state = await asyncio.to_thread(
-                lambda: {k: v for p in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(p)).items()})
+            state = await asyncio.to_thread(_read_tensors, directory)
         except (WeightStoreError, OSError, ValueError) as exc:
             log.error("refusing weights v%d, keeping v%d: %s", version, self._current_version(), exc)
             return
+        await self._check_plan(version, state)
         self.pending_weights = (version, state)
+
+    async def _check_plan(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuse a version whose quantization plan, or whose tensors, differ from this worker's plan: dead-letter it
+        with the first difference, and fail the job. Both plans come from the job's config, so no later version can
+        heal a difference, and serving on would run another precision than the job names. The timing model runs no
+        numerics: it has nothing to check."""
+        if self.engine_name == "timing":
+            return
+        assert self.plan is not None
+        manifest = await self.store.manifest(version)
+        if manifest.quantization_plan is None:
+            problem = "its manifest carries no quantization plan"
+        else:
+            problem = self.plan.first_difference(manifest.quantization_plan, f"{self.consumer}'s plan",
+                                                 f"version {version}'s") or self.plan.check_tensors(tensors)
+        if problem is None:
+            return
+        reason = f"{self.consumer} ({self.engine_name}) refuses weights v{version}: {problem}"
+        await self.bus.dead_letter(WEIGHTS, f"v{version}", encode_manifest(manifest), reason)
+        raise JobFailedError(reason)
 
     async def _loop(self) -> None:
         assert self.engine is not None

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from jetroll.services.trainer.mismatch import MismatchSampler
+from jetroll.services.trainer.mismatch import Measure, MismatchSampler
 from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained, torch_device
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import PendingGroup, TokenBatch, collate
 from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
-from jetroll.shared.rl.mismatch import mismatch_stats
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.rl.staleness import fresh_tokens
 from jetroll.shared.tasks.registry import get_task
@@ -36,9 +33,10 @@ class Actor:
             self.reference.share_inference_masters()
         self.mismatch = MismatchSampler(self.model, config)
 
-    def step(self, groups: list[PendingGroup], version: int) -> dict[str, float]:
+    def step(self, groups: list[PendingGroup], version: int) -> tuple[dict[str, float], Measure]:
         """batch -> pi_prox -> advantages -> the corrected PPO loss -> one optimizer step, at the trainer's `version`
-        (the caller publishes)."""
+        (the caller publishes). Returns the step's stats, and the call that measures its precision mismatch (the
+        commit makes it, off the critical path)."""
         cfg = self.config.trainer
         self.mismatch.keep(version, self.model)
         batch = collate(groups, self.tokenizer.pad_id, self.device)
@@ -60,7 +58,8 @@ class Actor:
                 ref_logp=self._reference_logp(batch, rows, width), correction=self.config.precision,
                 entropy=policy.row_entropy)
             stats |= loss_stats | self._optimizer_step(loss, stats["lr"])
-        return stats | self._batch_stats(batch, policy, version)
+        measure = self.mismatch.prepare(batch, policy.prox_logp, policy.scored, version)
+        return stats | self._batch_stats(batch, policy), measure
 
     def lr(self, version: int) -> float:
         """The learning rate of the step that makes `version + 1`: a pure function of the version, so a resumed run
@@ -85,40 +84,11 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)  # the staging that follows needs the room more than the next step
         return {"grad_norm": grad_norm}
 
-    def _batch_stats(self, batch: TokenBatch, policy: PolicyPass, version: int) -> dict[str, float]:
+    def _batch_stats(self, batch: TokenBatch, policy: PolicyPass) -> dict[str, float]:
         # the policy tokens of the rows the step scored: the gradient rows (every row on the exact backend)
         mask = (batch.loss_mask > 0) & policy.scored[:, None]
         entropy = float(policy.entropy[mask].mean()) if mask.any() else float("nan")  # of pi_prox, the step's start
-        return {"entropy": entropy} | self._mismatch_stats(batch, policy, version) | _task_stats(batch)
-
-    def _mismatch_stats(self, batch: TokenBatch, policy: PolicyPass, version: int) -> dict[str, float]:
-        started = time.perf_counter()
-        trainer_logp, measured = self.mismatch.measure(batch, policy.prox_logp, policy.scored, version)
-        sample_s = time.perf_counter() - started
-        policy_tokens = batch.loss_mask > 0
-        abs_delta = (trainer_logp - batch.behavior_logp).abs()
-        delta = abs_delta[measured]
-        stats = mismatch_stats(trainer_logp, batch.behavior_logp, measured, self.config.precision.correction_cap)
-        # pools may run different engines: each has its own gap to the trainer
-        rollout = self.config.rollout
-        sources = {f"pool/{pool}": [p == pool for p in batch.pools] for pool in sorted(set(batch.pools))}
-        for engine in sorted({rollout.engine_of(rollout.pool(pool)) for pool in batch.pools}):
-            sources[f"engine/{engine}"] = [rollout.engine_of(rollout.pool(p)) == engine for p in batch.pools]
-        for name, of_source in sources.items():
-            rows = torch.tensor(of_source, device=measured.device)[:, None]
-            source_delta = abs_delta[measured & rows]
-            stats[f"mismatch/{name}/abs_mean"] = float(source_delta.mean()) if source_delta.numel() else float("nan")
-            stats[f"mismatch/{name}/coverage"] = float(source_delta.numel() / (policy_tokens & rows).sum().clamp(min=1))
-        return stats | {
-            "mismatch_abs_sum": float(delta.sum()),
-            "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
-            "mismatch_tokens": float(measured.sum()),
-            "num_policy_tokens": float(policy_tokens.sum()),
-            "precision_mismatch": float(delta.mean()) if delta.numel() else float("nan"),
-            # of every policy token in the batch, measured or not
-            "mismatch_coverage": float(measured.sum() / policy_tokens.sum().clamp(min=1)),
-            "mismatch_sample_s": sample_s,
-        }
+        return {"entropy": entropy} | _task_stats(batch)
 
 
 def _task_stats(batch: TokenBatch) -> dict[str, float]:

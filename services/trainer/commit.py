@@ -19,9 +19,16 @@ import torch
 from safetensors.torch import load_file
 
 from jetroll.services.trainer.actor import Actor
+from jetroll.services.trainer.mismatch import Measure
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.errors import JobFailedError
-from jetroll.shared.model.checkpoint import load_state, pretrained_tensors, save_tensors, write_pretrained
+from jetroll.shared.model.checkpoint import (
+    load_state,
+    pretrained_tensors,
+    quantization_plan,
+    save_tensors,
+    write_pretrained,
+)
 from jetroll.shared.model.precision import published_dtype
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.protocol.bus import RedisBus
@@ -90,6 +97,8 @@ class Committer:
         self.actor = actor
         self.training = training  # the intake's: groups leave it once their step is recorded
         self.redis_run_id = ""  # the Redis server's run id when the ledger was last known whole
+        self.plan = quantization_plan(actor.model.args, config.precision.numerics())
+        self.precision_id = config.precision.precision_id(self.plan.digest)
 
     def stage(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> StagedStep:
         """Copy the commit of `version` in memory (all the next step must wait for, before the weights change
@@ -106,6 +115,8 @@ class Committer:
         tensors["rng::torch"] = torch.get_rng_state()
         # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
         weights, weights_config = pretrained_tensors(model, publish=self.config.precision.numerics())
+        if (problem := self.plan.check_tensors(weights)) is not None:  # both sides check: the publisher first
+            raise RuntimeError(f"version {version} does not follow the trainer's quantization plan: {problem}")
         copies = {_identity(v): v.clone() for v in masters.values()}
         # an fp32 linear publishes its master itself: one copy serves both files
         copies |= {_identity(v): v.clone() for v in weights.values() if _identity(v) not in copies}
@@ -115,10 +126,12 @@ class Committer:
             weights={k: copies[_identity(v)] for k, v in weights.items()}, weights_config=weights_config)
 
     async def commit(self, version: int, staged: StagedStep, trained: dict[str, int], entry_ids: list[str],
-                     stats: dict[str, float]) -> None:
+                     stats: dict[str, float], measure: Measure) -> None:
         """Make the step that made `version` survive, in the order a crash anywhere can be finished from: the trainer
         state first (the commit point), then the step's record, the ledger and the acks (a restarted trainer redoes
-        these from the state: each is idempotent), then its metrics and weights."""
+        these from the state: each is idempotent), then its metrics and weights. The step's mismatch is measured
+        meanwhile, beside the file I/O, and joins its metrics."""
+        measuring = asyncio.create_task(asyncio.to_thread(measure))
         try:
             async with self.store.staging() as directory:
                 await asyncio.to_thread(staged.write, directory, self.actor.tokenizer)
@@ -129,7 +142,7 @@ class Committer:
                 await self.store.retain_checkpoints(self.config.store.keep_checkpoints,
                                                     self.config.trainer.checkpoint_every)
                 # metrics before the weights event: the controller stops at the last version, its row already read
-                await self._emit(version, stats)
+                await self._emit(version, stats | await measuring)
                 await self._publish(version, directory / "weights")
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -139,6 +152,8 @@ class Committer:
                 f"the weight store ran out of space committing step {version} ({exc}); LATEST stays at the last "
                 f"version written whole. Free space and run the job again with job_id {self.config.job_id} and the "
                 "same run dir: it resumes from the last committed step") from exc
+        finally:
+            await asyncio.wait({measuring})  # a failed commit leaves no measurement running behind it
 
     async def record_step(self, version: int, groups: dict[str, int], entry_ids: list[str]) -> None:
         await self.store.record_step(StepRecord(version=version, groups=groups, created_at=time.time()))
@@ -198,9 +213,9 @@ class Committer:
     async def _publish(self, version: int, weights_dir: Path) -> None:
         """Shards, manifest, LATEST (inside the store), then the weights event."""
         manifest = await self.store.publish(
-            version, version, weights_dir, precision_id=self.config.precision.precision_id,
+            version, version, weights_dir, precision_id=self.precision_id,
             dtype=published_dtype(self.config.precision.numerics()), parent=version - 1 if version else None,
-            is_checkpoint=version % self.config.trainer.checkpoint_every == 0)
+            is_checkpoint=version % self.config.trainer.checkpoint_every == 0, quantization_plan=self.plan)
         await self._announce(manifest)
         await self.store.retain(self.config.store.keep_last)
 

@@ -1,19 +1,25 @@
-"""The precision mismatch of an async run: a share of every batch's rows scored at the versions that sampled them.
+"""The precision mismatch of a step, measured at the weights that sampled each token, off the step's critical path.
 
 A step's own pass computes pi_prox at the trainer's version, and in an async run almost no token was sampled at it,
 so that pass alone measures almost nothing (a coverage of 0.00035 in `make demo`). The sampler keeps the masters of
-the last eta_hard + 1 versions and scores `precision.mismatch.sample` of each batch's rows, chosen by a hash of their
-traj_id, with the weights of the version that produced each token's mu (`scorable_versions`): the delta is then
-numerics, not staleness. It holds eta_hard + 1 copies of the fp32 masters and one scoring model (its masters and,
-in the FP8 modes, their rounded copies): at eta_hard = 4, about 6x the model's fp32 size, beside the trainer's 4x
-(masters, gradients, AdamW's two moments). A restarted trainer keeps versions from its own first step on, so for up to
-eta_hard steps the older tokens go unmeasured, and the coverage says so.
+the last eta_hard + 1 versions and, each step, scores `precision.mismatch.sample` of the batch's rows with the weights
+of the version that produced their mu (`scorable_versions`): delta is then numerics, not staleness. One version a
+step, so one no-grad pass: the version most of the batch's scorable tokens are at, and among the rows holding tokens
+of it, the ceil(sample * B) whose traj_id hashes lowest. The pass runs in the step's commit, beside its file I/O and
+the next step, and its figures join the step's metrics.
+
+Memory: eta_hard + 1 copies of the fp32 masters and one scoring model (its masters and their GEMM copies): at the
+default eta_hard = 4 about 6x the model's fp32 size, beside the trainer's 4x (masters, gradients, AdamW's moments).
+A restarted trainer keeps versions from its own first step on, so for up to eta_hard steps older tokens go
+unmeasured, and the coverage says so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,20 +27,23 @@ from jetroll.services.trainer.passes import policy_width, proximal_pass
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import TokenBatch
-from jetroll.shared.rl.mismatch import scorable_versions
+from jetroll.shared.rl.mismatch import mismatch_stats, scorable_versions
+
+Measure = Callable[[], dict[str, float]]
 
 
-def sampled_rows(traj_ids: list[str], share: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """bool [B]: the ceil(share * B) rows whose traj_id hashes lowest; a row's chance does not depend on its batch."""
-    count = math.ceil(share * len(traj_ids))
-    ranked = sorted(range(len(traj_ids)), key=lambda i: hashlib.sha256(traj_ids[i].encode()).digest())
-    rows = torch.zeros(len(traj_ids), dtype=torch.bool, device=device)
+def lowest_hashes(traj_ids: list[str], candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """bool [B]: the `count` rows among `candidates` (bool [B]) whose traj_id hashes lowest."""
+    ranked = sorted(candidates.nonzero().squeeze(-1).tolist(),
+                    key=lambda i: hashlib.sha256(traj_ids[i].encode()).digest())
+    rows = torch.zeros_like(candidates)
     rows[ranked[:count]] = True
     return rows
 
 
 class MismatchSampler:
     def __init__(self, model: CausalLM, config: JobConfig) -> None:
+        self.config = config
         # a sync step's tokens are all at the trainer's version, and the step scores every row (actor.py)
         self.share = config.precision.mismatch.sample if config.staleness.mode == "async" else 0.0
         self.eta_hard = config.staleness.eta_hard
@@ -54,36 +63,68 @@ class MismatchSampler:
         for old in [v for v in self.masters if v < version - self.eta_hard]:
             del self.masters[old]
 
-    def measure(self, batch: TokenBatch, prox_logp: torch.Tensor, scored: torch.Tensor,
-                version: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trainer's log-probs [B, T] and the tokens they measure (bool [B, T]): the scored rows' tokens of the
-        trainer's `version`, from pi_prox at no cost, and the sampled rows' tokens of every version still kept."""
+    def prepare(self, batch: TokenBatch, prox_logp: torch.Tensor, scored: torch.Tensor, version: int) -> Measure:
+        """What the step leaves to measure, as a call that measures it: the scored rows' tokens of the trainer's
+        `version` (pi_prox has them), and the sampled rows' tokens of the chosen version, scored when called."""
         versions = scorable_versions(batch.loss_mask > 0, batch.v_tok, self.kept_kv)
         measured = scored[:, None] & (versions == version)
-        if self.scorer is None:
-            return prox_logp, measured
-        trainer_logp = prox_logp.clone()
-        sampled = sampled_rows(batch.traj_ids, self.share, versions.device)
-        for kept in sorted(set(versions[sampled].unique().tolist()) & set(self.masters)):
-            rows = sampled & (versions == kept).any(1)
-            if kept == version:
-                rows &= ~scored  # pi_prox has these already
-            if not rows.any():
-                continue
-            tokens = versions[rows] == kept
-            width = policy_width(tokens)
-            logp, _ = proximal_pass(self._load(kept), batch.input_ids[rows, :width], batch.targets[rows, :width],
-                                    batch.temperature[rows])
-            trainer_logp[rows, :width] = torch.where(tokens[:, :width], logp, trainer_logp[rows, :width])
-            measured[rows] |= tokens
-        return trainer_logp, measured
+        rows, chosen = torch.zeros_like(scored), None
+        if self.scorer is not None:
+            # tokens pi_prox already holds are not the sampler's to score
+            candidates = torch.where(measured, -1, versions)
+            kept = [v for v in self.masters if v in candidates]
+            if kept:
+                chosen = max(kept, key=lambda v: (int((candidates == v).sum()), v))
+                count = math.ceil(self.share * len(batch.traj_ids))
+                rows = lowest_hashes(batch.traj_ids, (candidates == chosen).any(1), count)
+        masters = self.masters.get(chosen) if chosen is not None else None
 
-    def _load(self, version: int) -> CausalLM:
+        def measure() -> dict[str, float]:
+            started = time.perf_counter()
+            trainer_logp, tokens = prox_logp, measured
+            if masters is not None and rows.any():
+                trainer_logp, tokens = prox_logp.clone(), measured.clone()
+                wanted = (versions[rows] == chosen)
+                width = policy_width(wanted)
+                logp, _ = proximal_pass(self._load(chosen, masters), batch.input_ids[rows, :width],
+                                        batch.targets[rows, :width], batch.temperature[rows])
+                trainer_logp[rows, :width] = torch.where(wanted[:, :width], logp, trainer_logp[rows, :width])
+                tokens[rows] |= wanted
+            return self._stats(batch, trainer_logp, tokens) | {"mismatch_sample_s": time.perf_counter() - started}
+
+        return measure
+
+    def _load(self, version: int | None, masters: list[torch.Tensor]) -> CausalLM:
         assert self.scorer is not None
         if self.scorer_version != version:
             with torch.no_grad():
-                for param, master in zip(self.scorer.parameters(), self.masters[version], strict=True):
+                for param, master in zip(self.scorer.parameters(), masters, strict=True):
                     param.copy_(master)
             self.scorer.release_inference_weights()
             self.scorer_version = version
         return self.scorer
+
+    def _stats(self, batch: TokenBatch, trainer_logp: torch.Tensor, measured: torch.Tensor) -> dict[str, float]:
+        policy_tokens = batch.loss_mask > 0
+        abs_delta = (trainer_logp - batch.behavior_logp).abs()
+        delta = abs_delta[measured]
+        stats = mismatch_stats(trainer_logp, batch.behavior_logp, measured, self.config.precision.correction_cap)
+        # pools may run different engines: each has its own gap to the trainer
+        rollout = self.config.rollout
+        sources = {f"pool/{pool}": [p == pool for p in batch.pools] for pool in sorted(set(batch.pools))}
+        for engine in sorted({rollout.engine_of(rollout.pool(pool)) for pool in batch.pools}):
+            sources[f"engine/{engine}"] = [rollout.engine_of(rollout.pool(p)) == engine for p in batch.pools]
+        for name, of_source in sources.items():
+            rows = torch.tensor(of_source, device=measured.device)[:, None]
+            source_delta = abs_delta[measured & rows]
+            stats[f"mismatch/{name}/abs_mean"] = float(source_delta.mean()) if source_delta.numel() else math.nan
+            stats[f"mismatch/{name}/coverage"] = float(source_delta.numel() / (policy_tokens & rows).sum().clamp(min=1))
+        return stats | {
+            "mismatch_abs_sum": float(delta.sum()),
+            "mismatch_abs_max": float(delta.max()) if delta.numel() else 0.0,
+            "mismatch_tokens": float(measured.sum()),
+            "num_policy_tokens": float(policy_tokens.sum()),
+            "precision_mismatch": float(delta.mean()) if delta.numel() else math.nan,
+            # of every policy token in the batch, measured or not
+            "mismatch_coverage": float(measured.sum() / policy_tokens.sum().clamp(min=1)),
+        }

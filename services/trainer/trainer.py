@@ -14,6 +14,7 @@ import torch
 from jetroll.services.trainer.actor import Actor
 from jetroll.services.trainer.commit import Committer
 from jetroll.services.trainer.intake import GROUP, STREAM, Intake
+from jetroll.services.trainer.mismatch import Measure
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.ledger import Ledger
@@ -77,7 +78,7 @@ class Trainer:
             clock.mark("wait")
             groups = await self.intake.next_groups(self.commit_task)
             clock.mark("step")
-            stats = await asyncio.to_thread(self._step, groups)
+            stats, measure = await asyncio.to_thread(self._step, groups)
             self.version += 1
             clock.mark("stage")
             trained, entry_ids = {g.group_id: len(g.samples) for g in groups}, [i for g in groups for i in g.entry_ids]
@@ -94,7 +95,7 @@ class Trainer:
                       "stale_wait_s": self.intake.stale_wait_s}
             clock.mark("cycle")
             self.commit_task = asyncio.create_task(self.committer.commit(self.version, staged, trained, entry_ids,
-                                                                         stats))
+                                                                         stats, measure))
         await self._last_commit()
 
     async def _last_commit(self) -> None:
@@ -102,14 +103,16 @@ class Trainer:
             await self.commit_task
             self.commit_task = None
 
-    def _step(self, groups: list[PendingGroup]) -> dict[str, float]:
-        """One optimizer step (or, with trainer.engine timing, a sleep standing in for it) and its staleness stats."""
+    def _step(self, groups: list[PendingGroup]) -> tuple[dict[str, float], Measure]:
+        """One optimizer step (or, with trainer.engine timing, a sleep standing in for it) and its staleness stats;
+        and the call that measures its precision mismatch."""
         if self.config.trainer.engine == "timing":
             # the modelled time covers the step and its weight publication, which stays real
             time.sleep(max(0.0, self.config.trainer.timing_step_s - self.publish_s))
-            stats = {}
+            stats, measure = {}, dict
         else:
-            stats = self.actor.step(groups, self.version)
+            stats, measure = self.actor.step(groups, self.version)
         trajectories = [e.trajectory for g in groups for e in g.events]
         per_task = {f"groups/{task}": float(sum(g.task == task for g in groups)) for task in self.task_names}
-        return stats | per_task | staleness_stats(trajectories, self.version, self.config.staleness.eta_hard)
+        stats |= per_task | staleness_stats(trajectories, self.version, self.config.staleness.eta_hard)
+        return stats, measure

@@ -68,20 +68,20 @@ class PrecisionConfig(Strict):
                 raise ValueError(f"precision.{name} must be (low, high) with 0 <= low < high")
         return self
 
-    @property
-    def precision_id(self) -> str:
-        """Hash of the numeric precision config (the loss's correction and the mismatch's measurement aside), stamped
-        on every trajectory."""
+    def precision_id(self, plan_digest: str) -> str:
+        """Hash of the numeric precision config (the loss's correction and the mismatch's measurement aside) and of
+        the quantization plan it makes of the job's model (`QuantizationPlan.digest`): every published version's
+        manifest and every trajectory of jetroll's engine carry it."""
         numeric = self.model_dump_json(exclude={"correction", "correction_cap", "decoupled_band", "icepop_band",
                                                 "mismatch"})
-        return hashlib.sha256(numeric.encode()).hexdigest()[:12]
+        return hashlib.sha256(f"{numeric}:{plan_digest}".encode()).hexdigest()[:12]
 
-    def rollout_precision_id(self, engine: str) -> str:
+    def rollout_precision_id(self, engine: str, plan_digest: str) -> str:
         """What a rollout engine stamps on its trajectories: jetroll's engine runs the trainer's own numerics, so it
         keeps `precision_id`; another engine runs them its own way, and its id says which."""
         if engine == "jetroll":
-            return self.precision_id
-        return hashlib.sha256(f"{self.precision_id}:{engine}".encode()).hexdigest()[:12]
+            return self.precision_id(plan_digest)
+        return hashlib.sha256(f"{self.precision_id(plan_digest)}:{engine}".encode()).hexdigest()[:12]
 
     def numerics(self) -> Precision:
         """What the model and the engines compute with."""

@@ -18,7 +18,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import PrecisionLinear, quantization_config
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import MASTERS, Precision, QuantizationPlan
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -54,6 +54,22 @@ def pretrained_tensors(model: CausalLM, publish: Precision | None = None) -> tup
         if (quantization := quantization_config(publish, ignored)) is not None:
             config["quantization_config"] = quantization
     return state, config
+
+
+def quantization_plan(args: ModelArgs, publish: Precision) -> QuantizationPlan:
+    """The plan of a model of shape `args` published under `publish` (the rollout side's precision: what rollout
+    computes with, and what `pretrained_tensors` writes). Built on the meta device: free whatever the model."""
+    with torch.device("meta"):
+        model = CausalLM(args, publish)
+    names = [n for n in model.state_dict() if not (args.tie_word_embeddings and n == "lm_head.weight")]
+    params = dict.fromkeys(names, "fp32")
+    for prefix, module in model.named_modules():
+        if isinstance(module, PrecisionLinear):
+            fmt = publish.linear_format(module.name)
+            block = publish.weight_block
+            params[f"{prefix}.weight"] = f"{publish.fmt}[{block}x{block}]" if fmt == "fp8" else fmt
+    return QuantizationPlan(source=MASTERS, scale_format="ue8m0" if publish.scale_rounding == "pow2" else "fp32",
+                            activation_group=publish.act_group, params=params)
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from jetroll.shared.numerics import QuantizationPlan
 from jetroll.shared.store.files import MANIFEST, Shard, WeightStoreError, tree_sha256
 
 log = logging.getLogger("jetroll.store")
@@ -32,7 +33,7 @@ STORE_TYPES = ("local", "s3")
 T = TypeVar("T")
 
 
-class Manifest(msgspec.Struct, frozen=True):
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a published weight version holds; every file but the manifest is listed with its sha256."""
 
     version: int
@@ -43,6 +44,7 @@ class Manifest(msgspec.Struct, frozen=True):
     parent: int | None
     created_at: float
     is_checkpoint: bool = False
+    quantization_plan: QuantizationPlan | None = None  # the trainer's; rollout refuses a version without one
 
 
 class CheckpointManifest(msgspec.Struct, frozen=True):
@@ -141,6 +143,7 @@ class WeightStore(ABC):
         dtype: str,
         parent: int | None,
         is_checkpoint: bool = False,
+        quantization_plan: QuantizationPlan | None = None,
     ) -> Manifest:
         """Copy `src_dir`'s files, write the manifest create-only, then move LATEST forward (never back). A version
         already published with these very files is a retry whose last try died before LATEST: it finishes that."""
@@ -151,14 +154,14 @@ class WeightStore(ABC):
             if (raw := await self._read(io, f"{prefix}/{MANIFEST}")) is not None:
                 manifest = self._decode_manifest(raw, version)
                 files = await asyncio.to_thread(tree_sha256, Path(src_dir))
-                if ({s.key: s.sha256 for s in manifest.shards}, manifest.precision_id, manifest.dtype) != (
-                        files, precision_id, dtype):
+                if ({s.key: s.sha256 for s in manifest.shards}, manifest.precision_id, manifest.dtype,
+                        manifest.quantization_plan) != (files, precision_id, dtype, quantization_plan):
                     raise WeightStoreError(f"version {version} is already published with other weights "
                                            f"({self.uri(version)})")
             else:
                 manifest = Manifest(version=version, step=step, shards=await self._put_tree(io, Path(src_dir), prefix),
                                     precision_id=precision_id, dtype=dtype, parent=parent, created_at=time.time(),
-                                    is_checkpoint=is_checkpoint)
+                                    is_checkpoint=is_checkpoint, quantization_plan=quantization_plan)
                 if not await self._put_create_only(io, f"{prefix}/{MANIFEST}", encode_manifest(manifest)):
                     raise WeightStoreError(f"version {version} was published concurrently ({self.uri(version)})")
             while True:

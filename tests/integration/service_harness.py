@@ -16,11 +16,12 @@ from helpers import ended, wait_until_async
 
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.config.model import ModelConfig
-from jetroll.shared.model.checkpoint import save_pretrained
+from jetroll.shared.model.checkpoint import quantization_plan, read_args, save_pretrained
 from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.events import ScoredEvent
+from jetroll.shared.store.base import Manifest, WeightStore
 
 TINY = ModelConfig(num_layers=1, intermediate_size=256)
 
@@ -38,6 +39,12 @@ def build_model(directory: Path, seed: int, weight_scale: float = 1.0) -> None:
     save_pretrained(model, tokenizer, directory)
 
 
+async def publish_version(store: WeightStore, config: JobConfig, version: int, src: Path) -> Manifest:
+    """`src` (fp32, as `build_model` writes it) as version `version` of an fp32 job, published as the trainer does:
+    with the quantization plan and precision id of the job's precision."""
+    plan = quantization_plan(read_args(src)[0], config.precision.numerics())
+    return await store.publish(version, version, src, precision_id=config.precision.precision_id(plan.digest),
+                               dtype="float32", parent=version - 1 if version else None, quantization_plan=plan)
 
 
 def job_config(model_dir: Path, run_dir: Path, **sections: Any) -> JobConfig:

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from service_harness import job_config, scored_sample, stop, until
+from service_harness import job_config, publish_version, scored_sample, stop, until
 
 from jetroll.services.controller.controller import Controller
 from jetroll.services.trainer.trainer import Trainer
@@ -142,8 +142,7 @@ def test_trainer_acks_a_redelivered_copy_of_a_folded_group(model_dir: Path, redi
 async def publish_versions(store: WeightStore, config: JobConfig, weights: Path, count: int) -> Manifest:
     """Versions 0..count-1 of `weights` in the store, each the child of the one before; the last's manifest."""
     for version in range(count):
-        manifest = await store.publish(version, version, weights, precision_id=config.precision.precision_id,
-                                       dtype="float32", parent=version - 1 if version else None)
+        manifest = await publish_version(store, config, version, weights)
     return manifest
 
 

@@ -18,13 +18,14 @@ import pytest
 import torch
 from helpers import JETROLL
 from job_harness import hold_streams
+from service_harness import publish_version
 
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.shared.config.job import load_config, validate_config
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
-from jetroll.shared.model.checkpoint import save_pretrained
+from jetroll.shared.model.checkpoint import quantization_plan, read_args, save_pretrained
 from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
@@ -132,8 +133,7 @@ def test_worker_keeps_decoding_while_an_environment_hangs(
     async def scenario() -> tuple[list[tuple[float, TrajectoryEvent]], dict[str, float]]:
         bus = RedisBus(redis_url, job)
         store = setup_store(config.store, job, tmp_path)
-        manifest = await store.publish(0, 0, model_dir, precision_id=config.precision.precision_id, dtype="float32",
-                                       parent=None)
+        manifest = await publish_version(store, config, 0, model_dir)
         await bus.publish("weights", WeightsPublishedEvent(
             job_id=job, version=0, step=0, manifest_uri=store.uri(0), shard_sha256={}, size_bytes=0,
             precision_id=manifest.precision_id))
@@ -221,8 +221,9 @@ def test_calculator_job_end_to_end(engine: str, smoke_model: str, redis_url: str
 
     num_calls = 0
     precision = load_config(SMOKE).precision
+    plan = quantization_plan(read_args(Path(smoke_model))[0], precision.numerics())
     for traj in asyncio.run(trajectories()):
-        assert traj.precision_id == precision.rollout_precision_id(engine)
+        assert traj.precision_id == precision.rollout_precision_id(engine, plan.digest)
         completion = traj.completion_ids.numpy().tolist()
         mask = traj.loss_mask.numpy().tolist()
         assert len(mask) == len(completion) == len(traj.v_tok.numpy()) == len(traj.behavior_logprobs.numpy())

@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 from job_harness import hold_streams
-from service_harness import build_model, job_config, scored_sample, stop, until
+from service_harness import build_model, job_config, publish_version, scored_sample, stop, until
 
 from jetroll.services.launch.local import Launcher
 from jetroll.services.rollout.worker import RolloutWorker
@@ -184,8 +184,7 @@ def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
     tokenizer = build_char_tokenizer()
 
     async def publish(store: Any, bus: RedisBus, version: int, src: Path) -> None:
-        manifest = await store.publish(version, version, src, precision_id=config.precision.precision_id,
-                                       dtype="float32", parent=version - 1 if version else None)
+        manifest = await publish_version(store, config, version, src)
         await bus.publish("weights", WeightsPublishedEvent(
             job_id=job, version=version, step=version, manifest_uri=store.uri(version),
             shard_sha256={s.key: s.sha256 for s in manifest.shards}, size_bytes=0, precision_id=manifest.precision_id))

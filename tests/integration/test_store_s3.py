@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.shared.config.job import load_config
+from jetroll.shared.numerics import MASTERS, QuantizationPlan
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.store.base import WeightStoreError
 from jetroll.shared.store.s3 import S3WeightStore
@@ -67,8 +68,13 @@ def model_dir(path: Path, seed: int = 0, shard_bytes: int = 3000) -> Path:
     return path
 
 
+# the plan of `model_dir`'s one tensor, which a rollout worker checks each version it loads against
+PLAN = QuantizationPlan(source=MASTERS, scale_format="fp32", activation_group=128, params={"w": "fp32"})
+
+
 def publish(store: S3WeightStore, version: int, src: Path, **kwargs: Any) -> Any:
-    args: dict[str, Any] = {"precision_id": "abc123", "dtype": "float32", "parent": version - 1 if version else None}
+    args: dict[str, Any] = {"precision_id": "abc123", "dtype": "float32", "parent": version - 1 if version else None,
+                            "quantization_plan": PLAN}
     args.update(kwargs)
     return store.publish(version, version * 10, src, **args)
 
@@ -190,7 +196,7 @@ def test_corrupt_shard_refused_and_worker_keeps_old_version(
     assert [p.name for p in weights_cache.iterdir()] == []  # nothing half-downloaded is left, nothing renamed in
 
     worker = RolloutWorker(load_config(SMOKE), bus=None, store=store, consumer="rollout-0")  # type: ignore[arg-type]
-    worker.engine = SimpleNamespace(version=1)  # type: ignore[assignment]
+    worker.engine, worker.plan = SimpleNamespace(version=1), PLAN  # type: ignore[assignment]
     with caplog.at_level(logging.ERROR, logger="jetroll.rollout"):
         asyncio.run(worker._load(2))
     assert worker.pending_weights is None and worker._current_version() == 1
@@ -209,7 +215,7 @@ def test_worker_polls_latest_without_a_weights_event(s3_url: str, bucket: str, t
     async def main() -> int | None:
         bus = RedisBus(redis_url, config.job_id)
         worker = RolloutWorker(config, bus, store, "rollout-0")
-        worker.engine = SimpleNamespace(version=1)  # type: ignore[assignment]
+        worker.engine, worker.plan = SimpleNamespace(version=1), PLAN  # type: ignore[assignment]
         watcher = asyncio.create_task(worker._watch_weights())
         try:
             await publish(store, 2, model_dir(tmp_path / "v2", seed=2))  # no XADD to the weights stream

@@ -47,10 +47,12 @@ def test_the_vllm_engine_refuses_what_it_would_not_honour(overrides: list[str], 
 
 def test_an_engine_other_than_jetrolls_stamps_its_own_precision_id() -> None:
     precision = load_config(None).precision
-    assert precision.rollout_precision_id("jetroll") == precision.precision_id
-    assert len({precision.rollout_precision_id(e) for e in ("jetroll", "vllm", "timing")}) == 3
+    assert precision.rollout_precision_id("jetroll", "plan") == precision.precision_id("plan")
+    assert len({precision.rollout_precision_id(e, "plan") for e in ("jetroll", "vllm", "timing")}) == 3
     bf16 = load_config(None, ["precision.mode=bf16"]).precision
-    assert bf16.rollout_precision_id("vllm") != precision.rollout_precision_id("vllm")
+    assert bf16.rollout_precision_id("vllm", "plan") != precision.rollout_precision_id("vllm", "plan")
+    # the quantization plan is part of it
+    assert precision.precision_id("plan") != precision.precision_id("another plan")
 
 
 def test_a_missing_vllm_fails_in_one_line_naming_the_extra() -> None:

@@ -159,7 +159,7 @@ def test_precision_config_modes_and_checks() -> None:
     assert unified.trainer_side() is unified and unified == Precision(mode="fp8_unified",
                                                                       high_precision=("gate_proj", "up_proj"))
     assert [unified.linear_format(n) for n in ("q_proj", "gate_proj", "down_proj")] == ["fp8", "bf16", "fp8"]
-    ids = {PrecisionConfig(**kw).precision_id for kw in (
+    ids = {PrecisionConfig(**kw).precision_id("plan") for kw in (
         {}, {"mode": "bf16"}, {"mode": "bf16", "backend": "exact"}, {"mode": "fp8_unified"},
         {"mode": "fp8_unified", "backward": "bf16"}, {"mode": "fp8_unified", "scale_rounding": "pow2"})}
     assert len(ids) == 6

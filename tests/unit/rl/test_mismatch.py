@@ -89,7 +89,8 @@ def test_behavior_corrections() -> None:
 
 def test_correction_is_not_part_of_the_precision_id() -> None:
     loss_only = PrecisionConfig(correction="icepop", correction_cap=3.0, decoupled_band=(0.1, 5.0))
-    assert loss_only.precision_id == PrecisionConfig().precision_id
+    assert loss_only.precision_id("plan") == PrecisionConfig().precision_id("plan")
+    assert PrecisionConfig(mismatch={"sample": 1.0}).precision_id("plan") == PrecisionConfig().precision_id("plan")
     with pytest.raises(ValueError, match="icepop_band"):
         PrecisionConfig(icepop_band=(2.0, 0.5))
     with pytest.raises(ValueError, match="decoupled_band"):

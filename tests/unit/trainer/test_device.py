@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_harness import events_with_ratios, flat_parameters, groups_of, make_trainer
+from trainer_harness import events_with_ratios, flat_parameters, groups_of, make_trainer, step
 
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.model import ModelConfig
@@ -84,11 +84,11 @@ def test_a_trainer_step_makes_every_tensor_on_its_models_device(
     sections = {"trainer": {"group_size": 4, "kl_coef": 0.01}, "precision": {"mismatch": {"sample": 0.5}}}
 
     def two_steps(trainer: Trainer) -> list[dict[str, float]]:
-        first = trainer._step(groups_of(events))
+        first = step(trainer, groups_of(events))
         trainer.version = 1
         # the sampler's own clock aside, every figure must be the same
         return [{k: v for k, v in stats.items() if k != "mismatch_sample_s"}
-                for stats in (first, trainer._step(groups_of(events)))]
+                for stats in (first, step(trainer, groups_of(events)))]
 
     host = make_trainer(model_dir, tmp_path / "host", redis_url, **sections)
     expected = two_steps(host)

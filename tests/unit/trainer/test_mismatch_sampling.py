@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
-from trainer_harness import RATIOS, events_with_ratios, groups_of, make_trainer
+import torch
+from trainer_harness import RATIOS, events_with_ratios, groups_of, make_trainer, step
 
-from jetroll.services.trainer.mismatch import sampled_rows
+from jetroll.services.trainer.mismatch import lowest_hashes
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.rl.batch import collate
 from jetroll.shared.rl.mismatch import scorable_versions
@@ -20,9 +21,9 @@ def step_a_version_later(trainer: Trainer, v_toks: tuple[list[int] | int, ...] |
     """Events whose mu is version 0's log-prob minus log(ratio), their tokens at the versions `v_toks` gives (0 by
     default): a step on version-0 events makes version 1, and the next trains these at version 1."""
     events = events_with_ratios(trainer, ratios, v_toks=v_toks)
-    trainer._step(groups_of(events_with_ratios(trainer, ratios)))
+    step(trainer, groups_of(events_with_ratios(trainer, ratios)))
     trainer.version = 1
-    return trainer._step(groups_of(events))
+    return step(trainer, groups_of(events))
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
@@ -32,7 +33,8 @@ def test_the_sampled_share_of_rows_is_scored_at_the_version_that_sampled_it(
     trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"mismatch": {"sample": share}})
     stats = step_a_version_later(trainer)
     batch = collate(groups_of(events_with_ratios(trainer, RATIOS)), trainer.actor.tokenizer.pad_id)
-    rows = sampled_rows(batch.traj_ids, share)
+    # every token is one version behind the trainer, so every row is a candidate
+    rows = lowest_hashes(batch.traj_ids, torch.ones(len(RATIOS), dtype=torch.bool), math.ceil(share * len(RATIOS)))
     tokens = (batch.loss_mask > 0) & rows[:, None]
     assert stats["mismatch_coverage"] == float(tokens.sum() / (batch.loss_mask > 0).sum())
     assert stats["mismatch_tokens"] == float(tokens.sum())

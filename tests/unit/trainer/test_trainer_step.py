@@ -20,10 +20,11 @@ from trainer_harness import (
     flat_parameters,
     groups_of,
     make_trainer,
+    step,
     trajectory,
 )
 
-from jetroll.services.trainer.mismatch import sampled_rows
+from jetroll.services.trainer.mismatch import lowest_hashes
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.dead_letters import DeadLetters
@@ -54,7 +55,7 @@ def test_every_correction_changes_the_trainers_update(
         before = flat_parameters(trainer)
         start = before if start is None else start
         assert torch.equal(before, start)
-        stats = trainer._step(groups_of(events))
+        stats = step(trainer, groups_of(events))
         assert stats["num_tokens"] == num_tokens and stats["grad_rows_frac"] == 1.0
         assert stats["is_ratio_max"] == pytest.approx(20.0, rel=1e-4)  # the ratios reached the loss
         assert stats["band_masked_tokens"] == expected_masked[kind], kind
@@ -77,7 +78,7 @@ def test_dr_grpo_divides_by_batch_times_max_new_tokens(
     trainer = make_trainer(model_dir, tmp_path, redis_url, **sections)
     on_policy = tuple(tuple(1.0 for _ in row) for row in RATIOS)
     groups = groups_of(events_with_ratios(trainer, on_policy))
-    stats = trainer._step(groups)
+    stats = step(trainer, groups)
     advantages = [r - sum(rewards) / len(rewards) for rewards in REWARDS for r in rewards]
     summed = sum(a * len(row) for a, row in zip(advantages, RATIOS, strict=True))
     own = get_task("arithmetic").max_new_tokens
@@ -100,7 +101,7 @@ def test_step_reports_the_token_entropy_of_pi_prox(
     groups = groups_of(events_with_ratios(trainer, RATIOS, rewards))
     batch = collate(groups, trainer.actor.tokenizer.pad_id)
     _, entropy = proximal_pass(trainer.actor.model, batch.input_ids, batch.targets, batch.temperature)
-    stats = trainer._step(groups)
+    stats = step(trainer, groups)
     assert stats["grad_rows_frac"] == 0.5
     policy_tokens = batch.loss_mask > 0
     everything = backend == "exact" or mode == "sync"
@@ -112,10 +113,11 @@ def test_step_reports_the_token_entropy_of_pi_prox(
     assert stats["entropy"] == pytest.approx(expected, rel=1e-5)
     assert stats["num_policy_tokens"] == float(policy_tokens.sum())
     # every token is at the trainer's version: the mismatch measures the scored ones and, in async mode, those of the
-    # rows `precision.mismatch.sample` picks
+    # rows `precision.mismatch.sample` picks among the others
     if mode == "async":
-        sampled = sampled_rows(batch.traj_ids, trainer.config.precision.mismatch.sample)
-        scored = scored | (policy_tokens & sampled[:, None])
+        others = ~scored.any(1)
+        count = math.ceil(trainer.config.precision.mismatch.sample * len(others))
+        scored = scored | (policy_tokens & lowest_hashes(batch.traj_ids, others, count)[:, None])
     assert stats["mismatch_tokens"] == float(scored.sum())
 
 
@@ -132,7 +134,7 @@ def test_entropy_bonus_raises_the_entropy_the_step_leaves(
                                trainer={"entropy_coef": coef}, precision={"backend": backend})
         before = flat_parameters(trainer)
         groups = groups_of(events)
-        trainer._step(groups)
+        step(trainer, groups)
         updated[coef] = flat_parameters(trainer) - before
         batch = collate(groups, trainer.actor.tokenizer.pad_id)
         _, entropy = proximal_pass(trainer.actor.model, batch.input_ids, batch.targets, batch.temperature)

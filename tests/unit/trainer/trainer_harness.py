@@ -82,5 +82,11 @@ def events_with_ratios(trainer: Trainer, ratios_of_rows: tuple[tuple[float, ...]
     return events
 
 
+def step(trainer: Trainer, groups: list[PendingGroup]) -> dict[str, float]:
+    """One real trainer step, its precision mismatch measured as its commit measures it."""
+    stats, measure = trainer._step(groups)
+    return stats | measure()
+
+
 def flat_parameters(trainer: Trainer) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in trainer.actor.model.parameters()])
