@@ -12,11 +12,13 @@ from typing import Any, Literal
 
 import msgspec
 
+MASTERS = "fp32_masters"  # what jetroll's quantizer reads: the trainer's fp32 masters, never a rounded copy
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # linears that read the same input share one inference GEMM, so they share one format
 FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 Mode = Literal["fp32", "bf16", "fp8_unified", "fp8_rollout_only"]
 LinearFormat = Literal["fp32", "bf16", "fp8"]
+RefitSource = Literal["fp32_masters", "bf16_copy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,7 @@ class Precision:
     act_group: int = 128
     scale_rounding: Literal["none", "pow2"] = "none"
     high_precision: tuple[str, ...] = ()  # block linears kept in bf16 in the FP8 modes
+    refit_source: RefitSource = "fp32_masters"  # what a version after the base is quantized from (a fault to inject)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "high_precision", tuple(self.high_precision))  # hashable, whatever was passed
@@ -41,6 +44,8 @@ class Precision:
         for group in FUSED_LINEARS:
             if len({name in self.high_precision for name in group}) > 1:
                 raise ValueError(f"precision.high_precision must list all of {list(group)} or none of them")
+        if self.refit_source != MASTERS and not self.is_fp8:
+            raise ValueError("precision.refit_source: bf16_copy misaligns FP8 refits; it needs an FP8 mode")
 
     @property
     def is_fp8(self) -> bool:
@@ -57,7 +62,6 @@ class Precision:
         return replace(self, mode="bf16") if self.mode == "fp8_rollout_only" else self
 
 
-MASTERS = "fp32_masters"  # what jetroll's quantizer reads: the trainer's fp32 masters, never a rounded copy
 PLAIN_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}  # a format -> the torch dtype it is published in
 
 
@@ -67,7 +71,7 @@ class QuantizationPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     quantization plan"). The field's quiet FP8 failures are exclusions that differ between the two sides and
     quantizers that read different sources: neither fails anything, so both sides name them and compare."""
 
-    source: str  # what the quantizer reads
+    source: str  # what the quantizer reads for the versions after the base: fp32_masters (or the bf16_copy fault)
     scale_format: str  # FP8 weight scales: fp32, or ue8m0 (powers of two)
     activation_group: int  # FP8 activations are quantized in groups of 1 x this along K
     params: dict[str, str]  # every published tensor but the scales -> its format: e4m3[128x128], bf16 or fp32

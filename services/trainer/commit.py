@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from jetroll.services.trainer.actor import Actor
-from jetroll.services.trainer.mismatch import Measure
+from jetroll.services.trainer.mismatch import Measure, MismatchGateKeeper
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.checkpoint import (
@@ -97,6 +97,7 @@ class Committer:
         self.actor = actor
         self.training = training  # the intake's: groups leave it once their step is recorded
         self.redis_run_id = ""  # the Redis server's run id when the ledger was last known whole
+        self.gates = MismatchGateKeeper(config.precision.mismatch.gate)
         self.plan = quantization_plan(actor.model.args, config.precision.numerics())
         self.precision_id = config.precision.precision_id(self.plan.digest)
 
@@ -114,7 +115,8 @@ class Committer:
                     tensors[f"{name}::{key}"] = state[key].detach().reshape(-1).clone()
         tensors["rng::torch"] = torch.get_rng_state()
         # the linears as rollout computes with them (FP8 + scales, or bf16): the trainer's forward uses the same
-        weights, weights_config = pretrained_tensors(model, publish=self.config.precision.numerics())
+        weights, weights_config = pretrained_tensors(model, publish=self.config.precision.numerics(),
+                                                     is_refit=version > 0)
         if (problem := self.plan.check_tensors(weights)) is not None:  # both sides check: the publisher first
             raise RuntimeError(f"version {version} does not follow the trainer's quantization plan: {problem}")
         copies = {_identity(v): v.clone() for v in masters.values()}
@@ -142,7 +144,11 @@ class Committer:
                 await self.store.retain_checkpoints(self.config.store.keep_checkpoints,
                                                     self.config.trainer.checkpoint_every)
                 # metrics before the weights event: the controller stops at the last version, its row already read
-                await self._emit(version, stats | await measuring)
+                measured = await measuring
+                gate_stats, failed_gate = self.gates.check(version, measured)
+                await self._emit(version, stats | measured | gate_stats)
+                if failed_gate is not None:  # the step's row is out; its weights never serve
+                    raise JobFailedError(f"precision mismatch gate: {failed_gate}")
                 await self._publish(version, directory / "weights")
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):

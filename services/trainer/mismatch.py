@@ -17,6 +17,7 @@ unmeasured, and the coverage says so.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -25,9 +26,12 @@ import torch
 
 from jetroll.services.trainer.passes import policy_width, proximal_pass
 from jetroll.shared.config.job import JobConfig
+from jetroll.shared.config.precision import GateConfig, MismatchGates
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import TokenBatch
 from jetroll.shared.rl.mismatch import mismatch_stats, scorable_versions
+
+log = logging.getLogger("jetroll.trainer")
 
 Measure = Callable[[], dict[str, float]]
 
@@ -128,3 +132,42 @@ class MismatchSampler:
             # of every policy token in the batch, measured or not
             "mismatch_coverage": float(measured.sum() / policy_tokens.sum().clamp(min=1)),
         }
+
+
+class MismatchGateKeeper:
+    """`precision.mismatch.gate` over each step's measured mismatch. A restarted trainer starts the growth's window
+    again from its own first measured step."""
+
+    def __init__(self, gates: MismatchGates) -> None:
+        self.gates = gates
+        self.k3s: list[float] = []  # of every measured step, in order
+
+    def check(self, version: int, measured: dict[str, float]) -> tuple[dict[str, float], str | None]:
+        """The step's gate metrics, and the first failing gate's line (None when no `fail` gate tripped); `warn`
+        gates log. A step that measured nothing passes every gate."""
+        if "mismatch/k3" not in measured:
+            return {}, None
+        k3, abs_mean = measured["mismatch/k3"], measured["mismatch/abs_mean"]
+        self.k3s.append(k3)
+        tripped = []
+        for name, value in (("k3", k3), ("abs_mean", abs_mean)):
+            gate: GateConfig = getattr(self.gates, name)
+            if gate.above is not None and value > gate.above:
+                tripped.append((gate, f"mismatch {name} {value:.3g} at step {version} is above "
+                                      f"precision.mismatch.gate.{name}.above = {gate.above:g}"))
+        growth = self.gates.growth
+        if growth.above is not None and len(self.k3s) >= 2:
+            first = min(growth.window, len(self.k3s) - 1)
+            baseline = sum(self.k3s[:first]) / first
+            latest = self.k3s[max(first, len(self.k3s) - growth.window):]
+            mean = sum(latest) / len(latest)
+            ratio = mean / max(baseline, growth.floor)
+            if mean > growth.floor and ratio > growth.above:
+                tripped.append((growth, f"mismatch k3 grew {ratio:.3g}x at step {version} (mean {mean:.3g} over the "
+                                        f"latest {len(latest)} measured steps, {baseline:.3g} over the first {first}), "
+                                        f"above precision.mismatch.gate.growth.above = {growth.above:g}"))
+        warnings = [line for gate, line in tripped if gate.action == "warn"]
+        for line in warnings:
+            log.warning("precision mismatch gate: %s", line)
+        failures = [line for gate, line in tripped if gate.action == "fail"]
+        return ({"mismatch_gate_warnings": float(len(warnings))} if warnings else {}), next(iter(failures), None)

@@ -8,9 +8,36 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import Strict
-from jetroll.shared.numerics import BLOCK_LINEARS, Precision
+from jetroll.shared.numerics import BLOCK_LINEARS, MASTERS, Precision, RefitSource
 
 BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class GateConfig(Strict):
+    """A gate on one mismatch figure of each measured step."""
+
+    above: float | None = Field(None, gt=0, description="the value past which the gate trips; None: the gate is off")
+    action: Literal["warn", "fail"] = Field(
+        "fail", description="warn: a warning in the trainer's log and `mismatch_gate_warnings` in the step's metrics; "
+        "fail: the job stops with one line naming the figure, its value and this threshold")
+
+
+class GrowthGateConfig(GateConfig):
+    """The growth of k3 over training: the mean of the latest `window` measured steps over the mean of the first
+    `window` (while fewer than 2 x window are measured, the first ones against the rest: at the second measured step
+    it is the step-2 / step-1 ratio, the earliest signal)."""
+
+    window: int = Field(10, ge=1, description="measured steps averaged at each end")
+    floor: float = Field(1e-6, gt=0, description="k3 below this is rounding noise: the baseline counts as at least "
+                         "this, and a latest mean below it never trips")
+
+
+class MismatchGates(Strict):
+    """`precision.mismatch.gate`: thresholds on each measured step's k3 and mean |delta logp|, and on k3's growth."""
+
+    k3: GateConfig = Field(default_factory=lambda: GateConfig(above=5e-3))
+    abs_mean: GateConfig = Field(default_factory=lambda: GateConfig(above=5e-2, action="warn"))
+    growth: GrowthGateConfig = Field(default_factory=lambda: GrowthGateConfig(above=10.0, action="warn"))
 
 
 class MismatchConfig(Strict):
@@ -21,6 +48,7 @@ class MismatchConfig(Strict):
         "each token, so that the mismatch is measured apart from staleness (rows chosen by a hash of their traj_id; "
         "costs a no-grad pass over them and keeps the masters of the last eta_hard versions); 0 measures only the "
         "tokens of the trainer's own version that the step scores anyway. Sync mode scores every row whatever this is")
+    gate: MismatchGates = Field(default_factory=MismatchGates)
 
 
 class PrecisionConfig(Strict):
@@ -44,6 +72,11 @@ class PrecisionConfig(Strict):
     act_group: int = Field(128, ge=1, description="activation quantization group along K; divides weight_block")
     scale_rounding: Literal["none", "pow2"] = Field(
         "none", description="round scales up to a power of two (ue8m0 scales, as DeepSeek-V3.1)")
+    refit_source: RefitSource = Field(
+        MASTERS, description="what the FP8 weights of every version after the base are quantized from: "
+        "fp32_masters (what the trainer's forward quantizes), or bf16_copy: the misaligned refit behind one of the "
+        "field's quiet FP8 failures, injected on purpose for `jetroll bench precision` and the mismatch gates' tests. "
+        "Never train with it")
     high_precision: list[BlockLinear] = Field(
         default_factory=list, description=f"block linears kept in bf16 in the FP8 modes, from {list(BLOCK_LINEARS)}; "
         "q/k/v and gate/up go together")
@@ -87,4 +120,4 @@ class PrecisionConfig(Strict):
         """What the model and the engines compute with."""
         return Precision(mode=self.mode, backend=self.backend, backward=self.backward, fmt=self.fmt,
                          weight_block=self.weight_block, act_group=self.act_group, scale_rounding=self.scale_rounding,
-                         high_precision=tuple(self.high_precision))
+                         high_precision=tuple(self.high_precision), refit_source=self.refit_source)

@@ -18,7 +18,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import PrecisionLinear, quantization_config
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
-from jetroll.shared.numerics import MASTERS, Precision, QuantizationPlan
+from jetroll.shared.numerics import Precision, QuantizationPlan
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -36,10 +36,10 @@ def save_pretrained(
     write_pretrained(directory, *pretrained_tensors(model, publish), tokenizer)
 
 
-def pretrained_tensors(model: CausalLM, publish: Precision | None = None) -> tuple[dict[str, torch.Tensor],
-                                                                                    dict[str, Any]]:
+def pretrained_tensors(model: CausalLM, publish: Precision | None = None,
+                       is_refit: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """What `save_pretrained` writes: the tensors (the masters as views of the live parameters, or the published
-    formats) and config.json's fields."""
+    formats; `is_refit` for a version after the base) and config.json's fields."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -48,7 +48,7 @@ def pretrained_tensors(model: CausalLM, publish: Precision | None = None) -> tup
         ignored = []
         for name, module in model.named_modules():
             if isinstance(module, PrecisionLinear):
-                state.update({f"{name}.{k}": v for k, v in module.published(publish).items()})
+                state.update({f"{name}.{k}": v for k, v in module.published(publish, is_refit).items()})
                 if publish.linear_format(module.name) != "fp8":
                     ignored.append(name)
         if (quantization := quantization_config(publish, ignored)) is not None:
@@ -68,7 +68,8 @@ def quantization_plan(args: ModelArgs, publish: Precision) -> QuantizationPlan:
             fmt = publish.linear_format(module.name)
             block = publish.weight_block
             params[f"{prefix}.weight"] = f"{publish.fmt}[{block}x{block}]" if fmt == "fp8" else fmt
-    return QuantizationPlan(source=MASTERS, scale_format="ue8m0" if publish.scale_rounding == "pow2" else "fp32",
+    scale_format = "ue8m0" if publish.scale_rounding == "pow2" else "fp32"
+    return QuantizationPlan(source=publish.refit_source, scale_format=scale_format,
                             activation_group=publish.act_group, params=params)
 
 

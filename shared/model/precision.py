@@ -294,11 +294,16 @@ class PrecisionLinear(nn.Linear):
         scales = scale_inv.double().repeat_interleave(block, 0).repeat_interleave(block // group, 1)
         return F.pad(q.double(), (0, -self.in_features % group)), scales[: self.out_features, :num_groups]
 
-    def published(self, config: Precision) -> dict[str, torch.Tensor]:
-        """This weight in the rollout format of the job's `config`: {weight} or {weight, weight_scale_inv}."""
+    def published(self, config: Precision, is_refit: bool = False) -> dict[str, torch.Tensor]:
+        """This weight in the rollout format of the job's `config`: {weight} or {weight, weight_scale_inv}. A refit
+        (a version after the base) under `refit_source: bf16_copy` quantizes a bf16 copy of the master: misaligned."""
         fmt = config.linear_format(self.name)
         assert (config.weight_block, config.scale_rounding) == (self.precision.weight_block,
                                                                self.precision.scale_rounding), "one quantization"
+        if fmt == "fp8" and is_refit and config.refit_source == "bf16_copy":
+            block = config.weight_block
+            q, scale_inv = quantize(_bf16(self.weight.detach()), block, block, config.scale_rounding == "pow2")
+            return {"weight": q.contiguous(), "weight_scale_inv": scale_inv.contiguous()}
         if fmt == "fp8":
             q, scale_inv = self.quantized()
             return {"weight": q.contiguous(), "weight_scale_inv": scale_inv.contiguous()}

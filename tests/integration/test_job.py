@@ -187,11 +187,16 @@ def check_rescore(job: Job, evals: list[dict]) -> None:
     assert refused.returncode == 2 and f"no longer holds version(s) [{gone}]" in refused.stderr, refused.stderr
 
 
+# gates that any nonzero mismatch trips, each failing the job: an aligned exact job passes them all
+TIGHT_GATES = ("precision.mismatch.gate.k3.above=1e-12", "precision.mismatch.gate.abs_mean.above=1e-9",
+               "precision.mismatch.gate.growth.above=10", "precision.mismatch.gate.growth.floor=1e-15")
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_smoke_fp8_unified_exact_has_zero_mismatch(mode: str, start_job: Callable[..., Job]) -> None:
     """Rollout loads the published FP8 bytes; on the exact backend every same-version log-prob matches bitwise. In
     async mode the sampled rows are scored with the kept weights of the versions that sampled them: bitwise too."""
-    job = start_job("precision.mode=fp8_unified", "precision.backend=exact", f"staleness.mode={mode}")
+    job = start_job("precision.mode=fp8_unified", "precision.backend=exact", f"staleness.mode={mode}", *TIGHT_GATES)
     assert job.wait() == 0, job.stderr()
     summary = check_summary(job, max_steps=4)
     assert summary["mismatch_mean_abs_logprob"] == 0.0
@@ -200,6 +205,30 @@ def test_smoke_fp8_unified_exact_has_zero_mismatch(mode: str, start_job: Callabl
         assert row["mismatch/tokens"] > 0 and row["mismatch/abs_max"] == row["mismatch/k3"] == 0.0
     version = job.run_dir / "store" / job.job_id / "weights" / "v00000004"
     assert json.loads((version / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+@pytest.mark.parametrize("failing", ["k3", "abs_mean", "growth"])
+def test_each_mismatch_gate_catches_a_misaligned_refit(failing: str, start_job: Callable[..., Job]) -> None:
+    """The quantizer misaligned on purpose: every version after the base publishes FP8 weights quantized from a bf16
+    copy, while the trainer's forward quantizes the fp32 masters. Both sides agree on that plan, so no byte or plan
+    check can see it: the gates must. Sync mode on the exact backend: step 1 (the base) measures exactly 0, step 2
+    the misalignment. The failing gate stops the job with its one line, the others warn."""
+    actions = [f"precision.mismatch.gate.{gate}.action={'fail' if gate == failing else 'warn'}"
+               for gate in ("k3", "abs_mean", "growth")]
+    job = start_job("precision.mode=fp8_unified", "precision.backend=exact", "staleness.mode=sync",
+                    "precision.refit_source=bf16_copy", *TIGHT_GATES, *actions)
+    assert job.wait() != 0, job.report()
+    rows = job.metrics()
+    assert [r["step"] for r in rows] == [1, 2]  # the failing step's row is written; its weights never serve
+    assert rows[0]["mismatch/k3"] == 0.0 and rows[0]["mismatch/tokens"] > 0 and rows[1]["mismatch/k3"] > 0
+    figure = {"k3": "mismatch k3 ", "abs_mean": "mismatch abs_mean ", "growth": "mismatch k3 grew "}
+    failed = [line for line in job.stderr().splitlines() if "failed the job" in line]
+    assert len(failed) == 1 and failed[0].startswith(
+        f"jetroll: service trainer failed the job: precision mismatch gate: {figure[failing]}"), job.stderr()
+    assert "at step 2" in failed[0] and f"precision.mismatch.gate.{failing}.above" in failed[0]
+    trainer_log = job.service_log("trainer")
+    for gate in {"k3", "abs_mean", "growth"} - {failing}:
+        assert f"precision.mismatch.gate.{gate}.above" in trainer_log, (gate, trainer_log[-2000:])
 
 
 def test_smoke_sync_has_zero_lag_and_a_warmed_up_cosine_lr(start_job: Callable[..., Job]) -> None:

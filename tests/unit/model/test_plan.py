@@ -92,3 +92,25 @@ def test_a_plan_with_a_field_it_does_not_know_is_refused() -> None:
     assert msgspec.json.decode(raw, type=QuantizationPlan) == plan
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.json.decode(raw[:-1] + b',"exclusions":["gate_proj"]}', type=QuantizationPlan)
+
+
+def test_a_misaligned_refit_quantizes_a_bf16_copy_and_its_plan_says_so() -> None:
+    """`refit_source: bf16_copy` (the fault the mismatch gates are tested with): the base is quantized from the
+    masters, every later version from a bf16 copy of them; the plan names the source, so both sides agree on it."""
+    misaligned = Precision(mode="fp8_unified", refit_source="bf16_copy")
+    torch.manual_seed(0)
+    model = CausalLM(ARGS, misaligned)
+    init_weights(model)
+    aligned_refit, _ = pretrained_tensors(model, publish=Precision(mode="fp8_unified"), is_refit=True)
+    base, _ = pretrained_tensors(model, publish=misaligned)
+    refit, _ = pretrained_tensors(model, publish=misaligned, is_refit=True)
+    scales = GATE.replace("weight", "weight_scale_inv")
+    assert torch.equal(base[GATE].view(torch.uint8), aligned_refit[GATE].view(torch.uint8))
+    assert not (torch.equal(refit[GATE].view(torch.uint8), aligned_refit[GATE].view(torch.uint8))
+                and torch.equal(refit[scales], aligned_refit[scales]))
+    plan = quantization_plan(ARGS, misaligned)
+    assert plan.source == "bf16_copy" and plan.check_tensors(refit) is None
+    assert plan.first_difference(quantization_plan(ARGS, Precision(mode="fp8_unified")), "a", "b") == (
+        "source is bf16_copy in a and fp32_masters in b")
+    with pytest.raises(ValueError, match="refit_source"):
+        Precision(refit_source="bf16_copy")
