@@ -26,7 +26,7 @@ import torch
 
 from jetroll.services.trainer.passes import policy_width, proximal_pass
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.config.precision import GateConfig, MismatchGates
+from jetroll.shared.config.precision import MismatchGates
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import TokenBatch
 from jetroll.shared.rl.mismatch import mismatch_stats, scorable_versions
@@ -57,6 +57,7 @@ class MismatchSampler:
         if self.share > 0:  # built, not deep-copied: a copy's fused GEMM weights would still read the model's linears
             self.scorer = CausalLM(model.args, model.precision).to(model.lm_head.weight.device).requires_grad_(False)
             self.scorer.no_string = model.no_string
+            self.scorer.use_unpacked_weights()
         self.scorer_version: int | None = None
 
     def keep(self, version: int, model: CausalLM) -> None:
@@ -149,13 +150,14 @@ class MismatchGateKeeper:
             return {}, None
         k3, abs_mean = measured["mismatch/k3"], measured["mismatch/abs_mean"]
         self.k3s.append(k3)
-        tripped = []
-        for name, value in (("k3", k3), ("abs_mean", abs_mean)):
-            gate: GateConfig = getattr(self.gates, name)
-            if gate.above is not None and value > gate.above:
-                tripped.append((gate, f"mismatch {name} {value:.3g} at step {version} is above "
-                                      f"precision.mismatch.gate.{name}.above = {gate.above:g}"))
+        k3_gate = self.gates.k3
+        abs_mean_gate = self.gates.abs_mean
         growth = self.gates.growth
+        tripped: list[tuple[str, str]] = []  # (action, line)
+        if k3_gate.above is not None and k3 > k3_gate.above:
+            tripped.append((k3_gate.action, _past("k3", k3, k3_gate.above, version)))
+        if abs_mean_gate.above is not None and abs_mean > abs_mean_gate.above:
+            tripped.append((abs_mean_gate.action, _past("abs_mean", abs_mean, abs_mean_gate.above, version)))
         if growth.above is not None and len(self.k3s) >= 2:
             first = min(growth.window, len(self.k3s) - 1)
             baseline = sum(self.k3s[:first]) / first
@@ -163,11 +165,16 @@ class MismatchGateKeeper:
             mean = sum(latest) / len(latest)
             ratio = mean / max(baseline, growth.floor)
             if mean > growth.floor and ratio > growth.above:
-                tripped.append((growth, f"mismatch k3 grew {ratio:.3g}x at step {version} (mean {mean:.3g} over the "
-                                        f"latest {len(latest)} measured steps, {baseline:.3g} over the first {first}), "
-                                        f"above precision.mismatch.gate.growth.above = {growth.above:g}"))
-        warnings = [line for gate, line in tripped if gate.action == "warn"]
+                tripped.append((growth.action, f"mismatch k3 grew {ratio:.3g}x at step {version} (mean {mean:.3g} "
+                                               f"over the latest {len(latest)} measured steps, {baseline:.3g} over "
+                                               f"the first {first}), above precision.mismatch.gate.growth.above = "
+                                               f"{growth.above:g}"))
+        warnings = [line for action, line in tripped if action == "warn"]
         for line in warnings:
             log.warning("precision mismatch gate: %s", line)
-        failures = [line for gate, line in tripped if gate.action == "fail"]
+        failures = [line for action, line in tripped if action == "fail"]
         return ({"mismatch_gate_warnings": float(len(warnings))} if warnings else {}), next(iter(failures), None)
+
+
+def _past(name: str, value: float, above: float, version: int) -> str:
+    return f"mismatch {name} {value:.3g} at step {version} is above precision.mismatch.gate.{name}.above = {above:g}"

@@ -168,6 +168,7 @@ class InferenceWeights:
         self.packed: torch.Tensor | None = None
         self.exact_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # integer-valued [N, K'], scales [N, KB]
         self.masters_are_views = False  # set by `share_masters`
+        self.packs = True  # oneDNN-packs its weight on CPU; `CausalLM.use_unpacked_weights` turns it off
 
     @property
     def linears(self) -> tuple[PrecisionLinear, ...]:
@@ -211,7 +212,7 @@ class InferenceWeights:
         if self.config.backend == "exact":
             operands = [lin.exact_operands() for lin in self.linears]
             self.exact_weight = (torch.cat([w for w, _ in operands]), torch.cat([s for _, s in operands]))
-        elif _HAS_ONEDNN and weight.device.type == "cpu":  # oneDNN packs CPU weights only
+        elif self.packs and _HAS_ONEDNN and weight.device.type == "cpu":  # oneDNN packs CPU weights only
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
