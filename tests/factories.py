@@ -13,6 +13,11 @@ def _per_token(values: Sequence[float] | float, n: int) -> list[float]:
     return [values] * n if isinstance(values, int | float) else list(values)
 
 
+# `precision.mismatch` with its gates off: synthetic behaviour log-probs sit far from any model's, and a trainer that
+# steps on them would (rightly) stop at the first gate
+NO_MISMATCH_GATES = {"gate": {"k3": {"above": None}, "abs_mean": {"above": None}, "growth": {"above": None}}}
+
+
 def trajectory(traj_id: str = "g1:0", completion_ids: Sequence[int] = (9, 1), *, job_id: str = "j",
                task: str = "arithmetic", prompt: str = "1+1=", answer: str = "2",
                prompt_ids: Sequence[int] = (5, 6, 7, 8), behavior_logprobs: Sequence[float] | float = -0.5,

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from jetroll.services.trainer.actor import Actor
-from jetroll.services.trainer.mismatch import Measure, MismatchGateKeeper
+from jetroll.services.trainer.mismatch import MismatchGateKeeper
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.checkpoint import (
@@ -128,12 +128,11 @@ class Committer:
             weights={k: copies[_identity(v)] for k, v in weights.items()}, weights_config=weights_config)
 
     async def commit(self, version: int, staged: StagedStep, trained: dict[str, int], entry_ids: list[str],
-                     stats: dict[str, float], measure: Measure) -> None:
+                     stats: dict[str, float], measuring: asyncio.Task[dict[str, float]]) -> None:
         """Make the step that made `version` survive, in the order a crash anywhere can be finished from: the trainer
         state first (the commit point), then the step's record, the ledger and the acks (a restarted trainer redoes
-        these from the state: each is idempotent), then its metrics and weights. The step's mismatch is measured
-        meanwhile, beside the file I/O, and joins its metrics."""
-        measuring = asyncio.create_task(asyncio.to_thread(measure))
+        these from the state: each is idempotent), then its metrics and weights. `measuring` scores the step's
+        mismatch meanwhile; its figures join the step's metrics."""
         try:
             async with self.store.staging() as directory:
                 await asyncio.to_thread(staged.write, directory, self.actor.tokenizer)

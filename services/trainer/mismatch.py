@@ -5,8 +5,8 @@ so that pass alone measures almost nothing (a coverage of 0.00035 in `make demo`
 the last eta_hard + 1 versions and, each step, scores `precision.mismatch.sample` of the batch's rows with the weights
 of the version that produced their mu (`scorable_versions`): delta is then numerics, not staleness. One version a
 step, so one no-grad pass: the version most of the batch's scorable tokens are at, and among the rows holding tokens
-of it, the ceil(sample * B) whose traj_id hashes lowest. The pass runs in the step's commit, beside its file I/O and
-the next step, and its figures join the step's metrics.
+of it, the ceil(sample * B) whose traj_id hashes lowest. The pass runs while the trainer waits for its next groups,
+never beside a step (`mismatch_wait_s` is what it adds to that wait), and its figures join the step's metrics.
 
 Memory: eta_hard + 1 copies of the fp32 masters and one scoring model (its masters and their GEMM copies): at the
 default eta_hard = 4 about 6x the model's fp32 size, beside the trainer's 4x (masters, gradients, AdamW's moments).
@@ -71,7 +71,11 @@ class MismatchSampler:
     def prepare(self, batch: TokenBatch, prox_logp: torch.Tensor, scored: torch.Tensor, version: int) -> Measure:
         """What the step leaves to measure, as a call that measures it: the scored rows' tokens of the trainer's
         `version` (pi_prox has them), and the sampled rows' tokens of the chosen version, scored when called."""
-        versions = scorable_versions(batch.loss_mask > 0, batch.v_tok, self.kept_kv)
+        rollout = self.config.rollout
+        # the timing model's log-probs are drawn, not computed: its rows have no mismatch to measure
+        computed = torch.tensor([rollout.engine_of(rollout.pool(p)) != "timing" for p in batch.pools],
+                                device=scored.device)
+        versions = scorable_versions((batch.loss_mask > 0) & computed[:, None], batch.v_tok, self.kept_kv)
         measured = scored[:, None] & (versions == version)
         rows, chosen = torch.zeros_like(scored), None
         if self.scorer is not None:

@@ -68,15 +68,20 @@ class Trainer:
 
     async def _train(self) -> None:
         """Step, then commit the step in the background while the next one computes (the commit is mostly I/O);
-        commits run one at a time, in version order."""
+        commits run one at a time, in version order. A step's precision mismatch is scored while the trainer waits
+        for its next groups, never beside a step, and joins the step's metrics in its commit."""
         clock = Clock()
         clock.mark("cycle")
+        measuring: asyncio.Task[dict[str, float]] | None = None
         while self.version < self.config.trainer.max_steps:
             if await self.bus.server_run_id() != self.committer.redis_run_id:  # Redis restarted under a live trainer
                 await self._last_commit()
                 await self.committer.rerecord_lost_steps(below=self.version + 1)
             clock.mark("wait")
             groups = await self.intake.next_groups(self.commit_task)
+            clock.mark("groups")
+            if measuring is not None:
+                await asyncio.wait({measuring})  # its commit reads its outcome
             clock.mark("step")
             stats, measure = await asyncio.to_thread(self._step, groups)
             self.version += 1
@@ -91,11 +96,14 @@ class Trainer:
             stats |= {"step_time_s": clock.between("step", "stage"), "stage_s": clock.between("stage", "commit_wait"),
                       "commit_wait_s": clock.between("commit_wait", "now"),
                       "trainer_wait_s": clock.between("wait", "step"),
+                      # of that wait, the part spent on the last step's mismatch after the groups were at hand
+                      "mismatch_wait_s": clock.between("groups", "step"),
                       "trainer_idle_frac": clock.between("wait", "step") / clock.between("cycle", "now"),
                       "stale_wait_s": self.intake.stale_wait_s}
             clock.mark("cycle")
+            measuring = asyncio.create_task(asyncio.to_thread(measure))
             self.commit_task = asyncio.create_task(self.committer.commit(self.version, staged, trained, entry_ids,
-                                                                         stats, measure))
+                                                                         stats, measuring))
         await self._last_commit()
 
     async def _last_commit(self) -> None:

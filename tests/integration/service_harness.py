@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from factories import scored
+from factories import NO_MISMATCH_GATES, scored
 from factories import trajectory as make_trajectory
 from helpers import ended, wait_until_async
 
@@ -50,7 +50,7 @@ async def publish_version(store: WeightStore, config: JobConfig, version: int, s
 def job_config(model_dir: Path, run_dir: Path, **sections: Any) -> JobConfig:
     tree: dict[str, Any] = {"job_id": f"s{uuid.uuid4().hex[:8]}", "eval": {"num_problems": 1},
                             "model": {**TINY.model_dump(), "path": str(model_dir)},
-                            "store": {"root": str(run_dir / "store")}}
+                            "store": {"root": str(run_dir / "store")}, "precision": {"mismatch": NO_MISMATCH_GATES}}
     for name, fields in sections.items():
         tree[name] = {**tree.get(name, {}), **fields} if isinstance(fields, dict) else fields
     return validate_config(tree)

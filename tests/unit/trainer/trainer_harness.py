@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from factories import scored
+from factories import NO_MISMATCH_GATES, scored
 from factories import trajectory as make_trajectory
 
 from jetroll.services.trainer.passes import proximal_pass
@@ -36,7 +36,7 @@ def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, job_id: str | N
     """A real Trainer on the tiny model; the step under test never touches its bus or store."""
     tree: dict[str, Any] = {"job_id": job_id or f"t{uuid.uuid4().hex[:8]}", "trainer": {"group_size": 4},
                             "model": {**TINY.model_dump(), "path": str(model_dir)},
-                            "store": {"root": str(run_dir / "store")}}
+                            "store": {"root": str(run_dir / "store")}, "precision": {"mismatch": NO_MISMATCH_GATES}}
     for name, fields in sections.items():
         tree[name] = {**tree.get(name, {}), **fields}
     config = validate_config(tree)
