@@ -62,10 +62,11 @@ class MismatchConfig(Strict):
     """How the trainer measures the precision mismatch (docs/architecture.md, "Measuring the mismatch")."""
 
     sample: float = Field(
-        0.125, ge=0, le=1, description="share of each async batch's rows scored at the weight version that sampled "
-        "them, so that the mismatch is measured apart from staleness: one version a step, one no-grad pass in the "
-        "step's commit, the masters of the last eta_hard + 1 versions kept; 0 measures only the tokens of the "
-        "trainer's own version that the step scores anyway. Sync mode scores every row whatever this is")
+        0.0625, ge=0, le=1, description="share of each async batch's rows scored at the weight version that sampled "
+        "them, so that the mismatch is measured apart from staleness: one version a step, one no-grad pass while "
+        "the trainer waits for its next groups, the masters of the last eta_hard + 1 versions kept; 0 measures only "
+        "the tokens of the trainer's own version that the step scores anyway. Sync mode scores every row whatever "
+        "this is")
     gate: MismatchGates = Field(default_factory=MismatchGates)
 
 
