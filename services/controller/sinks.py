@@ -27,7 +27,8 @@ RENAMES = {
     "reward_mean": "reward/mean", "reward_timeouts": "reward/timeouts", "reward_errors": "reward/errors",
     "precision_mismatch": "precision/mismatch", "mismatch_abs_sum": "precision/mismatch_abs_sum",
     "mismatch_abs_max": "precision/mismatch_abs_max", "mismatch_tokens": "precision/mismatch_tokens",
-    "mismatch_coverage": "precision/mismatch_coverage",
+    "mismatch_coverage": "precision/mismatch_coverage", "mismatch_sample_s": "precision/mismatch_sample_s",
+    "mismatch_gate_warnings": "precision/mismatch_gate_warnings", "mismatch_wait_s": "timing/mismatch_wait_s",
 }
 TAG_UNSAFE = re.compile(r"[^\w./-]")
 PREFIXES = (("accuracy/", "train/accuracy/"), ("groups/", "train/groups/"), ("reward/", "reward/"),
