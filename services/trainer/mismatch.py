@@ -52,17 +52,16 @@ class MismatchSampler:
         self.share = config.precision.mismatch.sample if config.staleness.mode == "async" else 0.0
         self.eta_hard = config.staleness.eta_hard
         self.kept_kv = not config.rollout.recompute_kv_on_swap
+        self.last_version = config.trainer.max_steps - 1  # the last step's version: no later step scores its tokens
+        self.model = model
         self.masters: dict[int, list[torch.Tensor]] = {}
-        self.scorer: CausalLM | None = None
-        if self.share > 0:  # built, not deep-copied: a copy's fused GEMM weights would still read the model's linears
-            self.scorer = CausalLM(model.args, model.precision).to(model.lm_head.weight.device).requires_grad_(False)
-            self.scorer.no_string = model.no_string
-            self.scorer.use_unpacked_weights()
+        self.scorer: CausalLM | None = None  # built at its first pass
         self.scorer_version: int | None = None
 
     def keep(self, version: int, model: CausalLM) -> None:
-        """Remember `model`'s weights as `version`, and forget versions no trained token can carry any more."""
-        if self.scorer is None:
+        """Remember `model`'s weights as `version` for the steps after this one, and forget versions no trained token
+        can carry any more."""
+        if self.share == 0 or version >= self.last_version:
             return
         self.masters[version] = [param.detach().clone() for param in model.parameters()]
         for old in [v for v in self.masters if v < version - self.eta_hard]:
@@ -78,7 +77,7 @@ class MismatchSampler:
         versions = scorable_versions((batch.loss_mask > 0) & computed[:, None], batch.v_tok, self.kept_kv)
         measured = scored[:, None] & (versions == version)
         rows, chosen = torch.zeros_like(scored), None
-        if self.scorer is not None:
+        if self.share > 0:
             # tokens pi_prox already holds are not the sampler's to score
             candidates = torch.where(measured, -1, versions)
             kept = [v for v in self.masters if v in candidates]
@@ -104,7 +103,12 @@ class MismatchSampler:
         return measure
 
     def _load(self, version: int | None, masters: list[torch.Tensor]) -> CausalLM:
-        assert self.scorer is not None
+        if self.scorer is None:  # built, not deep-copied: a copy's fused GEMM weights would still read the model's
+            model = self.model
+            with torch.device(model.lm_head.weight.device):
+                self.scorer = CausalLM(model.args, model.precision).requires_grad_(False)
+            self.scorer.no_string = model.no_string
+            self.scorer.use_unpacked_weights()
         if self.scorer_version != version:
             with torch.no_grad():
                 for param, master in zip(self.scorer.parameters(), masters, strict=True):
