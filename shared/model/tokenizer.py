@@ -75,7 +75,8 @@ class Tokenizer:
         """tokenizer.json, and the other tokenizer files as loaded (the chat template among them), so every
         version published from a checkpoint keeps them; a tokenizer built here gets a tokenizer_config.json."""
         directory = Path(directory)
-        self.backend.save(str(directory / "tokenizer.json"))
+        # written by Python, not by the tokenizers library: its writer reports a full disk as a bare Exception
+        (directory / "tokenizer.json").write_text(self.backend.to_str(pretty=True))
         meta = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": self.eos_token,

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.integration
 # controller writes the row (the rollout's trajectory count): everything else must repeat exactly
 TIMING_COLUMNS = frozenset({
     "time_s", "step_time_s", "stage_s", "commit_wait_s", "trainer_wait_s", "trainer_idle_frac", "stale_wait_s",
-    "mismatch_wait_s", "mismatch_sample_s", "rollout_busy_slot_s", "rollout_slot_s", "rollout_idle_frac", "rollout_tokens_per_s",
+    "mismatch_wait_s", "mismatch_sample_s", "rollout_busy_slot_s", "rollout_slot_s", "rollout_idle_frac",
+    "rollout_tokens_per_s",
     "pool/default/tokens_per_s", "pool/default/num_trajectories",
 })
 # summary.json fields of the same kinds, and Redis's memory, whose stream sizes hold the timing metrics until trimmed

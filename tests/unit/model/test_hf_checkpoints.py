@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained, save_tensors
-from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.model.tokenizer import build_char_tokenizer, load_tokenizer
 
 TOKENIZER = build_char_tokenizer()
 ORIGINAL_CONTEXT = 16  # small, so the test's 48 positions run well past it
@@ -182,3 +182,13 @@ def test_a_tensor_file_that_cannot_be_written_raises_the_os_error_it_is(tmp_path
     assert torch.equal(load_file(str(tmp_path / "w.safetensors"))["w"], tensors["w"])
     with pytest.raises(FileNotFoundError, match="missing/w.safetensors"):
         save_tensors(tmp_path / "missing" / "w.safetensors", tensors)
+
+
+def test_a_tokenizer_that_cannot_be_written_raises_the_os_error_it_is(tmp_path: Path) -> None:
+    """The tokenizers library's own writer raised a bare Exception ("No space left on device (os error 28)"), which a
+    full store's commit took for a bug and restarted the trainer on: the file is written by Python now."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.save(tmp_path)
+    assert load_tokenizer(tmp_path).encode("12+34=") == tokenizer.encode("12+34=")
+    with pytest.raises(FileNotFoundError, match="missing/tokenizer.json"):
+        tokenizer.save(tmp_path / "missing")
