@@ -146,11 +146,15 @@ def _precision_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench-precision"),
                         help="finished runs here are kept and not run again")
     parser.add_argument("--max-steps", type=int, help="override the pinned step count (smoke tests)")
+    parser.add_argument("--arms", help="comma-separated arms (default: the first five) of bf16, fp8_unified (fast "
+                        "backend), fp8_unified_exact, fp8_rollout_only, misaligned (fp8_unified refitting from a bf16 "
+                        "copy), fp8_rollout_only+token_tis, fp8_rollout_only+icepop")
     _overrides(parser, "configs/precision_bench.yaml (smoke tests)")
 
 
 def _precision_run(m: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
-    return m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides)
+    arms = tuple(args.arms.split(",")) if args.arms else m.DEFAULT_ARMS
+    return m.run_precision_bench(args.seeds, args.run_dir, args.max_steps, args.overrides, arms)
 
 
 def _peers_args(parser: argparse.ArgumentParser) -> None:
@@ -193,8 +197,9 @@ BENCHES = {
                    "twice, dropped and lost groups (resumable)", _chaos_args, _chaos_run, "chaos"),
     "shape": Bench("a job at Qwen2.5-0.5B's exact shape with random weights (configs/bench_qwen2.5_0.5b.yaml, 3 "
                    "steps): peak RSS per service, step times", _shape_args, _shape_run, "shape"),
-    "precision": Bench("RL runs of bf16, fp8_unified and fp8_rollout_only uncorrected, and of fp8_rollout_only with "
-                       "token_tis and icepop, per seed: held-out scores and reward curves (resumable)",
+    "precision": Bench("sync RL runs per precision arm and seed (bf16, fp8_unified fast and exact, fp8_rollout_only, "
+                       "a misaligned refit): the mismatch's level and growth per task, the first step each gate "
+                       "trips, held-out scores (resumable)",
                        _precision_args, _precision_run, "precision"),
     "peers": Bench("the default job in jetroll and in TRL's GRPOTrainer side by side, per job seed x kernel variant: "
                    "time per step, core-seconds, time to 70% and 80%, final accuracy (resumable)", _peers_args,

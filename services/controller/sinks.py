@@ -28,11 +28,12 @@ RENAMES = {
     "precision_mismatch": "precision/mismatch", "mismatch_abs_sum": "precision/mismatch_abs_sum",
     "mismatch_abs_max": "precision/mismatch_abs_max", "mismatch_tokens": "precision/mismatch_tokens",
     "mismatch_coverage": "precision/mismatch_coverage", "mismatch_sample_s": "precision/mismatch_sample_s",
-    "mismatch_gate_warnings": "precision/mismatch_gate_warnings", "mismatch_wait_s": "timing/mismatch_wait_s",
+    "mismatch_wait_s": "timing/mismatch_wait_s",
 }
 TAG_UNSAFE = re.compile(r"[^\w./-]")
 PREFIXES = (("accuracy/", "train/accuracy/"), ("groups/", "train/groups/"), ("reward/", "reward/"),
-            ("pool/", "rollout/pool/"), ("lag_", "rollout/lag_"), ("mismatch/", "precision/mismatch/"))
+            ("pool/", "rollout/pool/"), ("lag_", "rollout/lag_"), ("mismatch/", "precision/mismatch/"),
+            ("mismatch_gate/", "precision/mismatch_gate/"))
 
 
 def scheme_name(key: str) -> str:

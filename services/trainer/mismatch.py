@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -122,15 +123,21 @@ class MismatchSampler:
         abs_delta = (trainer_logp - batch.behavior_logp).abs()
         delta = abs_delta[measured]
         stats = mismatch_stats(trainer_logp, batch.behavior_logp, measured, self.config.precision.correction_cap)
-        # pools may run different engines: each has its own gap to the trainer
+        # pools may run different engines, each with its own gap to the trainer; tasks differ in output length
         rollout = self.config.rollout
+        engines = [rollout.engine_of(rollout.pool(p)) for p in batch.pools]
         sources = {f"pool/{pool}": [p == pool for p in batch.pools] for pool in sorted(set(batch.pools))}
-        for engine in sorted({rollout.engine_of(rollout.pool(pool)) for pool in batch.pools}):
-            sources[f"engine/{engine}"] = [rollout.engine_of(rollout.pool(p)) == engine for p in batch.pools]
+        sources |= {f"engine/{engine}": [e == engine for e in engines] for engine in sorted(set(engines))}
+        sources |= {f"task/{task}": [t == task for t in batch.tasks] for task in sorted(set(batch.tasks))}
+        log_ratio = trainer_logp.double() - batch.behavior_logp.double()
         for name, of_source in sources.items():
             rows = torch.tensor(of_source, device=measured.device)[:, None]
             source_delta = abs_delta[measured & rows]
-            stats[f"mismatch/{name}/abs_mean"] = float(source_delta.mean()) if source_delta.numel() else math.nan
+            source_ratio = log_ratio[measured & rows]
+            measured_any = source_delta.numel() > 0
+            stats[f"mismatch/{name}/abs_mean"] = float(source_delta.mean()) if measured_any else math.nan
+            stats[f"mismatch/{name}/k3"] = float((torch.expm1(source_ratio) - source_ratio).mean()) if measured_any \
+                else math.nan
             stats[f"mismatch/{name}/coverage"] = float(source_delta.numel() / (policy_tokens & rows).sum().clamp(min=1))
         return stats | {
             "mismatch_abs_sum": float(delta.sum()),
@@ -143,6 +150,27 @@ class MismatchSampler:
         }
 
 
+class Growth(NamedTuple):
+    ratio: float  # latest / max(baseline, floor)
+    latest: float  # mean k3 of the latest measured steps
+    baseline: float  # mean k3 of the first measured steps
+    num_latest: int
+    num_first: int
+
+
+def k3_growth(k3s: list[float], window: int, floor: float) -> Growth | None:
+    """k3's growth over training: the mean of the latest `window` measured steps over the mean of the first `window`
+    (while fewer than 2 x window are measured, the first ones against the rest: at the second it is step 2 / step 1);
+    None before the second measured step."""
+    if len(k3s) < 2:
+        return None
+    first = min(window, len(k3s) - 1)
+    baseline = sum(k3s[:first]) / first
+    latest = k3s[max(first, len(k3s) - window):]
+    mean = sum(latest) / len(latest)
+    return Growth(mean / max(baseline, floor), mean, baseline, len(latest), first)
+
+
 class MismatchGateKeeper:
     """`precision.mismatch.gate` over each step's measured mismatch. A restarted trainer starts the growth's window
     again from its own first measured step."""
@@ -152,36 +180,35 @@ class MismatchGateKeeper:
         self.k3s: list[float] = []  # of every measured step, in order
 
     def check(self, version: int, measured: dict[str, float]) -> tuple[dict[str, float], str | None]:
-        """The step's gate metrics, and the first failing gate's line (None when no `fail` gate tripped); `warn`
-        gates log. A step that measured nothing passes every gate."""
+        """The step's gate metrics (k3's growth, and `mismatch_gate/<gate>` 1.0 for each gate that tripped), and the
+        first failing gate's line (None when no `fail` gate tripped); `warn` gates log. A step that measured nothing
+        passes every gate."""
         if "mismatch/k3" not in measured:
             return {}, None
         k3, abs_mean = measured["mismatch/k3"], measured["mismatch/abs_mean"]
         self.k3s.append(k3)
         k3_gate = self.gates.k3
         abs_mean_gate = self.gates.abs_mean
-        growth = self.gates.growth
-        tripped: list[tuple[str, str]] = []  # (action, line)
+        growth_gate = self.gates.growth
+        tripped: list[tuple[str, str, str]] = []  # (gate, action, line)
         if k3_gate.above is not None and k3 > k3_gate.above:
-            tripped.append((k3_gate.action, _past("k3", k3, k3_gate.above, version)))
+            tripped.append(("k3", k3_gate.action, _past("k3", k3, k3_gate.above, version)))
         if abs_mean_gate.above is not None and abs_mean > abs_mean_gate.above:
-            tripped.append((abs_mean_gate.action, _past("abs_mean", abs_mean, abs_mean_gate.above, version)))
-        if growth.above is not None and len(self.k3s) >= 2:
-            first = min(growth.window, len(self.k3s) - 1)
-            baseline = sum(self.k3s[:first]) / first
-            latest = self.k3s[max(first, len(self.k3s) - growth.window):]
-            mean = sum(latest) / len(latest)
-            ratio = mean / max(baseline, growth.floor)
-            if mean > growth.floor and ratio > growth.above:
-                tripped.append((growth.action, f"mismatch k3 grew {ratio:.3g}x at step {version} (mean {mean:.3g} "
-                                               f"over the latest {len(latest)} measured steps, {baseline:.3g} over "
-                                               f"the first {first}), above precision.mismatch.gate.growth.above = "
-                                               f"{growth.above:g}"))
-        warnings = [line for action, line in tripped if action == "warn"]
-        for line in warnings:
-            log.warning("precision mismatch gate: %s", line)
-        failures = [line for action, line in tripped if action == "fail"]
-        return ({"mismatch_gate_warnings": float(len(warnings))} if warnings else {}), next(iter(failures), None)
+            tripped.append(("abs_mean", abs_mean_gate.action, _past("abs_mean", abs_mean, abs_mean_gate.above,
+                                                                     version)))
+        growth = k3_growth(self.k3s, growth_gate.window, growth_gate.floor)
+        stats = {} if growth is None else {"mismatch/growth": growth.ratio}
+        if (growth is not None and growth_gate.above is not None and growth.latest > growth_gate.floor
+                and growth.ratio > growth_gate.above):
+            tripped.append(("growth", growth_gate.action,
+                            f"mismatch k3 grew {growth.ratio:.3g}x at step {version} (mean {growth.latest:.3g} over "
+                            f"the latest {growth.num_latest} measured steps, {growth.baseline:.3g} over the first "
+                            f"{growth.num_first}), above precision.mismatch.gate.growth.above = {growth_gate.above:g}"))
+        for _, action, line in tripped:
+            if action == "warn":
+                log.warning("precision mismatch gate: %s", line)
+        failures = [line for _, action, line in tripped if action == "fail"]
+        return stats | {f"mismatch_gate/{gate}": 1.0 for gate, _, _ in tripped}, next(iter(failures), None)
 
 
 def _past(name: str, value: float, above: float, version: int) -> str:

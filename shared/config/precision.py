@@ -14,8 +14,8 @@ BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 
 GateAction = Literal["warn", "fail"]
-ACTION = ("warn: a warning in the trainer's log and `mismatch_gate_warnings` in the step's metrics; fail: the job "
-          "stops with one line naming the figure, its value and the threshold")
+ACTION = ("warn: a warning in the trainer's log; fail: the job stops with one line naming the figure, its value and "
+          "the threshold. Either way the step's metrics carry `mismatch_gate/<gate>` = 1")
 
 
 class GateConfig(Strict):

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import JETROLL
 
+from jetroll.services.bench.precision import ARMS, DEFAULT_ARMS, GATES
+
 FAKE_LAMBDA = Path(__file__).resolve().parents[1] / "fakes" / "lambda_invoke.py"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,28 +124,33 @@ def test_bench_async_quick_json_smoke() -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
-    """One step per arm on a 1-layer model built in tmp; a second call resumes from the saved runs."""
-    cmd = [*JETROLL, "bench", "precision", "--json", "--seeds", "1", "--max-steps", "1",
+    """Two steps per arm on a 1-layer model built in tmp: each job runs its arm's precision with every gate warning,
+    each step is measured per task; a second call resumes from the saved runs."""
+    cmd = [*JETROLL, "bench", "precision", "--json", "--seeds", "1", "--max-steps", "2",
            "--run-dir", str(tmp_path / "runs"), "--set", "model.num_layers=1", "--set", "model.warm_start.max_steps=2",
            "--set", "model.warm_start.init_from.max_steps=2", "--set", "model.warm_start.init_from.target_band=null",
            "--set", f"model.cache_dir={tmp_path / 'cache'}", "--set", "eval.num_problems=1",
            "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
-    assert [(run["mode"], run["correction"], run["seed"]) for run in first["runs"]] == [
-        ("bf16", "none", 0), ("fp8_unified", "none", 0), ("fp8_rollout_only", "none", 0),
-        ("fp8_rollout_only", "token_tis", 0), ("fp8_rollout_only", "icepop", 0)]
-    assert all(len(run["reward_curve"]) == 1 for run in first["runs"])
-    for run in first["runs"]:  # each job ran with its arm's correction, not the config file's
-        job = json.loads((tmp_path / "runs" / f"{run['mode']}-{run['correction']}-seed0" / "config.json").read_text())
-        assert (job["precision"]["mode"], job["precision"]["correction"]) == (run["mode"], run["correction"])
-    assert {"unified_minus_bf16", "bf16_std", "rollout_only_minus_bf16", "rollout_only_token_tis_minus_bf16",
-            "rollout_only_icepop_minus_bf16"} <= set(first["summary"])
+    assert [(run["arm"], run["seed"]) for run in first["runs"]] == [(arm, 0) for arm in DEFAULT_ARMS]
+    for run in first["runs"]:  # each job ran with its arm's precision, not the config file's
+        job = json.loads((tmp_path / "runs" / f"{run['arm']}-seed0" / "config.json").read_text())["precision"]
+        assert {field: job[field] for field in ARMS[run["arm"]]} == ARMS[run["arm"]]
+        assert {gate["action"] for gate in job["mismatch"]["gate"].values()} == {"warn"}
+        # sync mode measures every step: a growth from the second on
+        assert run["measured_steps"] == run["steps"] == 2 and run["growth_final"] is not None
+        assert len(run["reward_curve"]) == len(run["k3_curve"]) == 2 and set(run["first_trip"]) == set(GATES)
+        assert set(run["per_task"]) == {"arithmetic", "count32"}
+    assert first["runs"][DEFAULT_ARMS.index("fp8_unified_exact")]["k3_max"] == 0.0  # bitwise on the exact backend
+    assert set(first["summary"]["arms"]) == set(DEFAULT_ARMS) and "score_minus_bf16" in first["summary"]
     assert (tmp_path / "runs" / "precision.png").stat().st_size > 0
     started = time.perf_counter()
     again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
     assert again["runs"] == first["runs"] and time.perf_counter() - started < 60  # nothing ran again
     other = subprocess.run([*cmd, "--set", "trainer.lr=0.5"], capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and "holds precision-bench runs of another config" in other.stderr, other.stderr
+    unknown = subprocess.run([*cmd, "--arms", "bf16,fp4"], capture_output=True, text=True, timeout=300)
+    assert unknown.returncode == 2 and "unknown precision-bench arm(s) ['fp4']" in unknown.stderr, unknown.stderr
 
 
 @pytest.mark.integration

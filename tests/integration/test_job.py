@@ -221,6 +221,8 @@ def test_each_mismatch_gate_catches_a_misaligned_refit(failing: str, start_job: 
     rows = job.metrics()
     assert [r["step"] for r in rows] == [1, 2]  # the failing step's row is written; its weights never serve
     assert rows[0]["mismatch/k3"] == 0.0 and rows[0]["mismatch/tokens"] > 0 and rows[1]["mismatch/k3"] > 0
+    tripped = [{name for name in row if name.startswith("mismatch_gate/")} for row in rows]
+    assert tripped == [set(), {"mismatch_gate/k3", "mismatch_gate/abs_mean", "mismatch_gate/growth"}]
     figure = {"k3": "mismatch k3 ", "abs_mean": "mismatch abs_mean ", "growth": "mismatch k3 grew "}
     failed = [line for line in job.stderr().splitlines() if "failed the job" in line]
     assert len(failed) == 1 and failed[0].startswith(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from trainer_harness import RATIOS, events_with_ratios, groups_of, make_trainer, step
@@ -48,6 +49,25 @@ def test_the_sampled_share_of_rows_is_scored_at_the_version_that_sampled_it(
     assert stats["mismatch/pool/default/coverage"] == stats["mismatch/engine/jetroll/coverage"] == (
         stats["mismatch_coverage"])
     assert stats["mismatch_sample_s"] > 0
+
+
+def test_each_task_reports_its_own_mismatch(model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None) -> None:
+    """Tasks differ in output length, and so in mismatch: each reports its own k3 and |delta logp| over its rows."""
+    trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"mismatch": {"sample": 1.0}})
+    events = events_with_ratios(trainer)  # mu from version 0's weights
+    events[4:] = [msgspec.structs.replace(e, trajectory=msgspec.structs.replace(e.trajectory, task="count32"))
+                  for e in events[4:]]  # the second group
+    step(trainer, groups_of(events_with_ratios(trainer)))
+    trainer.version = 1
+    stats = step(trainer, groups_of(events))
+    for task, rows in (("arithmetic", RATIOS[:4]), ("count32", RATIOS[4:])):
+        ratios = [r for row in rows for r in row]
+        assert stats[f"mismatch/task/{task}/k3"] == pytest.approx(
+            sum(r - 1 - math.log(r) for r in ratios) / len(ratios), rel=1e-4)
+        assert stats[f"mismatch/task/{task}/abs_mean"] == pytest.approx(
+            sum(abs(math.log(r)) for r in ratios) / len(ratios), rel=1e-4)
+        assert stats[f"mismatch/task/{task}/coverage"] == 1.0
+    assert stats["mismatch/pool/default/k3"] == pytest.approx(stats["mismatch/k3"], rel=1e-6)
 
 
 def test_the_exact_backend_reproduces_an_older_versions_fp8_log_probs_bitwise(
