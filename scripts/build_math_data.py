@@ -23,30 +23,36 @@ ITEMS = ["apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbl
 
 
 def problem(rng: random.Random) -> dict[str, str]:
-    """One or two steps of + and - on numbers below 50, as a short story."""
+    """One or two steps of + and - on numbers below 50, as a short story, solved in words: a completion of about
+    30-50 tokens, long enough that decoding, not the step's fixed costs, is what a job times."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a = rng.randint(2, 49)
     kind = rng.randrange(4)
     if kind == 0:
         b = rng.randint(1, 49)
         return _row(f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
-                    [f"{a}+{b}={a + b}"], a + b)
+                    [f"{name} starts with {a} {item}", f"{name} gets {b} more, so {name} has {a}+{b}={a + b} {item}"],
+                    a + b)
     if kind == 1:
         b = rng.randint(1, a)
         return _row(f"{name} has {a} {item} and gives away {b}. How many {item} are left?",
-                    [f"{a}-{b}={a - b}"], a - b)
+                    [f"{name} starts with {a} {item}", f"{name} gives away {b}, so {a}-{b}={a - b} {item} are left"],
+                    a - b)
     b, c = rng.randint(1, 49), rng.randint(1, 49)
     if kind == 2:
         return _row(f"{name} has {a} {item}, buys {b} more, then buys {c} more. How many {item} now?",
-                    [f"{a}+{b}={a + b}", f"{a + b}+{c}={a + b + c}"], a + b + c)
+                    [f"{name} starts with {a} {item}", f"After buying {b} more, {name} has {a}+{b}={a + b}",
+                     f"After buying {c} more, {name} has {a + b}+{c}={a + b + c}"], a + b + c)
     c = rng.randint(1, a + b)
     return _row(f"{name} has {a} {item}, finds {b} more, then loses {c}. How many {item} now?",
-                [f"{a}+{b}={a + b}", f"{a + b}-{c}={a + b - c}"], a + b - c)
+                [f"{name} starts with {a} {item}", f"After finding {b} more, {name} has {a}+{b}={a + b}",
+                 f"After losing {c}, {name} has {a + b}-{c}={a + b - c}"], a + b - c)
 
 
 def _row(question: str, steps: list[str], answer: int) -> dict[str, str]:
-    # the worked steps alone: the math reward reads the last number, and every token costs CPU time in RL
-    return {"question": question, "solution": ". ".join(steps) + ".", "answer": str(answer)}
+    # the math reward reads the final answer: the last sentence states it alone
+    return {"question": question, "solution": ". ".join([*steps, f"The answer is {answer}"]) + ".",
+            "answer": str(answer)}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from jetroll.services.bench.async_ import launch_job
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.services.trainer.mismatch import k3_growth
+from jetroll.services.trainer.mismatch import Growth, k3_growth
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.warm_start import ensure_base_model
@@ -117,6 +117,7 @@ def read_run(out: Path, name: str, seed: int, config: JobConfig) -> dict[str, An
             "abs_mean_median": statistics.median(r[f"mismatch/task/{task}/abs_mean"] for r in task_rows)
             if task_rows else None,
             "growth_final": task_growth.ratio if task_growth else None,
+            **_windows(task_growth),
         }
     k3s = [r["mismatch/k3"] for r in measured]
     growths = [r["mismatch/growth"] for r in measured if "mismatch/growth" in r]
@@ -130,11 +131,17 @@ def read_run(out: Path, name: str, seed: int, config: JobConfig) -> dict[str, An
             "measured_steps": len(measured), "steps": len(rows),
             "k3_median": statistics.median(k3s) if k3s else None, "k3_max": max(k3s) if k3s else None,
             "growth_final": growths[-1] if growths else None, "growth_max": max(growths) if growths else None,
+            **_windows(k3_growth(k3s, growth.window, growth.floor)),
             "k3_curve": k3s, "per_task": per_task,
             # the first step at which each gate tripped (every gate warns in this bench), None if it never did
             "first_trip": {gate: next((r["step"] for r in rows if f"mismatch_gate/{gate}" in r), None)
                            for gate in GATES},
             "reward_curve": [r.get("reward_mean", math.nan) for r in rows]}
+
+
+def _windows(growth: Growth | None) -> dict[str, float | None]:
+    """k3's mean over the first and the latest windows the growth compares, unfloored: growth as a level moves."""
+    return {"k3_first": growth.baseline if growth else None, "k3_last": growth.latest if growth else None}
 
 
 def _summary(runs: list[dict[str, Any]], arms: tuple[str, ...]) -> dict[str, Any]:
@@ -147,11 +154,12 @@ def _summary(runs: list[dict[str, Any]], arms: tuple[str, ...]) -> dict[str, Any
             "score_mean": statistics.fmean(scores),
             "score_std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
             "k3_median": _median(r["k3_median"] for r in of_arm),
+            "k3_first": _median(r["k3_first"] for r in of_arm), "k3_last": _median(r["k3_last"] for r in of_arm),
             "growth_final": _median(r["growth_final"] for r in of_arm),
             "growth_max": max((r["growth_max"] for r in of_arm if r["growth_max"] is not None), default=None),
             "first_trip": {gate: [r["first_trip"][gate] for r in of_arm] for gate in GATES},
-            "per_task": {task: {"k3_median": _median(r["per_task"][task]["k3_median"] for r in of_arm),
-                                "growth_final": _median(r["per_task"][task]["growth_final"] for r in of_arm)}
+            "per_task": {task: {key: _median(r["per_task"][task][key] for r in of_arm)
+                                for key in ("k3_median", "abs_mean_median", "growth_final", "k3_first", "k3_last")}
                          for task in of_arm[0]["per_task"]},
         }
     summary: dict[str, Any] = {"arms": per_arm}
@@ -217,16 +225,16 @@ def print_table(result: dict[str, Any]) -> None:
     tasks = config["tasks"]
     table = Table(title=f"precision: sync RL runs of {config['max_steps']} steps on {'+'.join(tasks)}; mismatch k3 "
                   "(median over steps), its growth at the end (trainer's rule), first step each gate tripped")
-    for column in ("arm", "seed", "k3", *(f"k3 {t}" for t in tasks), "growth", *(f"growth {t}" for t in tasks),
+    for column in ("arm", "seed", "k3", "k3 first->last", *(f"k3 {t}" for t in tasks), "growth",
                    "max growth", *(f"trip {g}" for g in GATES), "score before", "after", "wall s"):
         table.add_column(column, justify="right")
     for run in result["runs"]:
         table.add_row(run["arm"], str(run["seed"]), _figure(run["k3_median"]),
+                      f"{_figure(run['k3_first'])}->{_figure(run['k3_last'])}",
                       *(_figure(run["per_task"][t]["k3_median"]) for t in tasks), _figure(run["growth_final"], ".2f"),
-                      *(_figure(run["per_task"][t]["growth_final"], ".2f") for t in tasks),
                       _figure(run["growth_max"], ".2f"), *(str(run["first_trip"][g] or "-") for g in GATES),
                       f"{run['score_before']:.1f}", f"{run['score_after']:.1f}", f"{run['wall_time_s']:.0f}")
-    console = Console()
+    console = Console(width=max(Console().width, 180))  # the table is wide; a pipe gets 80 columns
     console.print(table)
     for name, arm in result["summary"]["arms"].items():
         trips = ", ".join(f"{g} {arm['first_trip'][g]}" for g in GATES)

@@ -139,6 +139,7 @@ def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
         assert {gate["action"] for gate in job["mismatch"]["gate"].values()} == {"warn"}
         # sync mode measures every step: a growth from the second on
         assert run["measured_steps"] == run["steps"] == 2 and run["growth_final"] is not None
+        assert run["k3_first"] == run["k3_curve"][0] and run["k3_last"] == run["k3_curve"][1]
         assert len(run["reward_curve"]) == len(run["k3_curve"]) == 2 and set(run["first_trip"]) == set(GATES)
         assert set(run["per_task"]) == {"arithmetic", "count32"}
     assert first["runs"][DEFAULT_ARMS.index("fp8_unified_exact")]["k3_max"] == 0.0  # bitwise on the exact backend
