@@ -40,10 +40,12 @@ def _compiled(template: str) -> Any:
     return env.from_string(template)
 
 
-def render_chat(template: str, messages: list[dict[str, str]], special_tokens: dict[str, str], *,
-                add_generation_prompt: bool = True) -> str:
+def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: dict[str, str], *,
+                tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+    """`messages` (OpenAI's chat format: assistant turns may carry `tool_calls`, tool results are `tool` messages)
+    and `tools` (OpenAI's function specs), rendered as the template writes them."""
     return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                      tools=None, documents=None, **special_tokens)
+                                      tools=tools or None, documents=None, **special_tokens)
 
 
 @dataclass(frozen=True, slots=True)
