@@ -1,5 +1,5 @@
 """A chat session's token transcript: the token-exact bridge between an OpenAI-style message history and the ids a
-policy sampled (docs/architecture.md, "The bridge rule").
+policy sampled (docs/architecture.md, "Agents and the bridge rule").
 
 The first request's messages (and tools) are rendered by the model's chat template and tokenized once. After that
 the transcript only grows: each sampled turn appends the ids the engine sampled (loss mask 1), and each later request
