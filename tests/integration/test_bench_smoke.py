@@ -269,7 +269,7 @@ def test_bench_peers_smoke_of_the_second_job(tmp_path: Path) -> None:
     cmd = [*JETROLL, "bench", "peers", "--json", "--config", str(REPO / "configs" / "dataset_math.yaml"),
            "--thresholds", "0.05,0.5", "--steps", "4", "--seeds", "0,", "--kernels", "native", "--eval-every", "2",
            "--eval-problems", "16", "--trl-threads", "1", "--probe-steps", "2", "--run-dir", str(tmp_path / "bench"),
-           *(arg for item in ("model.chat_template=true", "rollout.max_seq_len=80", "model.num_layers=1",
+           *(arg for item in ("model.chat_template=true", "model.num_layers=1",
                               "model.warm_start.max_steps=4", "model.warm_start.target_band=null",
                               "model.warm_start.probe_problems=16", "eval.num_problems=16",
                               "trainer.groups_per_step=2", "trainer.group_size=2", "rollout.compile=false")
