@@ -68,6 +68,17 @@ def calculator_reward(completion: str, answer: str) -> RewardOutput:
     return RewardOutput(reward=float(correct), correct=correct)
 
 
+@reward("gymnasium")
+def gymnasium_reward(completion: str, answer: str) -> RewardOutput:
+    """The environment's own reward for a `kind: gymnasium` episode: its transcript (model turns and observations,
+    one line each) replayed through the same gymnasium environment the episode ran on. An episode that never ended
+    (cut off by its token budget) scores 0."""
+    from jetroll.shared.tasks.gym_text import GymProblem  # gymnasium: only its tasks pay for the import
+
+    value, ended = GymProblem.parse(answer).replay(completion)
+    return RewardOutput(reward=value, correct=ended and value > 0)
+
+
 @reward("math")
 def math_reward(completion: str, answer: str) -> RewardOutput:
     """1.0 iff math-verify finds the completion's final answer equal to `answer` (so `\\frac{1}{2}` equals `0.5`).

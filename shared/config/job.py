@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, mod
 
 from jetroll.shared.config.base import Strict
 from jetroll.shared.config.dataset import DatasetTaskConfig, dataset_task
+from jetroll.shared.config.gym import GymTaskConfig, gym_task
 from jetroll.shared.config.launch import LaunchConfig, RedisConfig
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.config.precision import PrecisionConfig
@@ -28,7 +29,7 @@ class TaskWeight(Strict):
     """A registered task in the mix (`kind: registered`, the default)."""
 
     kind: Literal["registered"] = Field("registered", description="a task jetroll registers by name (the default "
-                                        "kind; `dataset`: a task read from files)")
+                                        "kind; `dataset`: a task read from files; `gymnasium`: an environment)")
     name: str = Field(description="a registered task name (see jetroll.shared.tasks.registry.TASKS)")
     weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
 
@@ -37,8 +38,8 @@ def _task_kind(entry: Any) -> str:
     return (entry.get("kind") if isinstance(entry, dict) else getattr(entry, "kind", None)) or "registered"
 
 
-TaskEntry = Annotated[Annotated[TaskWeight, Tag("registered")] | Annotated[DatasetTaskConfig, Tag("dataset")],
-                      Discriminator(_task_kind)]
+TaskEntry = Annotated[Annotated[TaskWeight, Tag("registered")] | Annotated[DatasetTaskConfig, Tag("dataset")]
+                      | Annotated[GymTaskConfig, Tag("gymnasium")], Discriminator(_task_kind)]
 
 
 class EvalConfig(Strict):
@@ -68,8 +69,8 @@ class JobConfig(Strict):
                       "the base model has its own, model.warm_start.seed")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tasks: list[TaskEntry] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1,
-                                   description="the task mix: registered tasks by name, and `kind: dataset` "
-                                   "entries read from files")
+                                   description="the task mix: registered tasks by name, `kind: dataset` "
+                                   "entries read from files and `kind: gymnasium` environments")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -83,7 +84,7 @@ class JobConfig(Strict):
 
     @model_validator(mode="after")
     def _known_tasks(self) -> JobConfig:
-        from jetroll.shared.tasks.registry import TASKS, register_dataset
+        from jetroll.shared.tasks.registry import TASKS, register_configured
 
         names = [task.name for task in self.tasks]
         if len(set(names)) < len(names):
@@ -98,7 +99,9 @@ class JobConfig(Strict):
                     if task.reward not in REWARDS:
                         raise ValueError(f"dataset task {task.name}: unknown reward {task.reward!r}; valid: "
                                          f"{sorted(REWARDS)} (or name its module in reward.modules)")
-                register_dataset(dataset_task(task, self.seed))
+                register_configured(dataset_task(task, self.seed))
+            elif isinstance(task, GymTaskConfig):
+                register_configured(gym_task(task))
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")

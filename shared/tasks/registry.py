@@ -7,6 +7,7 @@ from jetroll.shared.tasks.base import Task
 from jetroll.shared.tasks.calculator import CalculatorTask
 from jetroll.shared.tasks.count import CountTask
 from jetroll.shared.tasks.dataset import DatasetTask
+from jetroll.shared.tasks.gym_text import GymTask
 
 TASKS: dict[str, Task] = {}
 
@@ -20,12 +21,12 @@ def register_task(task: Task) -> Task:
     return task
 
 
-def register_dataset(task: DatasetTask) -> None:
-    """Register a job config's dataset task. It replaces an earlier dataset task of its name (the last config
-    validated in a process wins), never a built-in task."""
+def register_configured(task: DatasetTask | GymTask) -> None:
+    """Register a task a job config describes (a dataset's, a gymnasium environment's). It replaces an earlier
+    configured task of its name (the last config validated in a process wins), never a built-in task."""
     existing = TASKS.get(task.name)
-    if existing is not None and not isinstance(existing, DatasetTask):
-        raise ValueError(f"dataset task {task.name!r}: a built-in task has that name")
+    if existing is not None and not isinstance(existing, DatasetTask | GymTask):
+        raise ValueError(f"task {task.name!r}: a built-in task has that name")
     if existing != task:
         TASKS[task.name] = task
 

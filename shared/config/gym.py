@@ -1,0 +1,37 @@
+"""tasks: a `kind: gymnasium` entry, a gymnasium environment as a multi-turn text task (shared/tasks/gym_text.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from jetroll.shared.config.base import Strict
+from jetroll.shared.tasks.gym_text import ADAPTERS, GymTask, gymnasium
+
+
+class GymTaskConfig(Strict):
+    """A registered gymnasium environment with a text adapter (`kind: gymnasium`; needs the `gym` extra)."""
+
+    kind: Literal["gymnasium"] = Field(description="marks a gymnasium environment")
+    name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
+    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
+    env_id: str = Field("FrozenLake-v1", description=f"a gymnasium env id with a text adapter: {sorted(ADAPTERS)}")
+    options: dict[str, Any] = Field(default_factory=dict, description="the text adapter's options (FrozenLake-v1: "
+                                    "size, the map's side, 4 by default; frozen_prob, a cell's chance to be "
+                                    "frozen, 0.8)")
+    max_turns: int = Field(10, ge=1, description="model turns before an episode ends unsolved")
+    max_new_tokens: int = Field(96, ge=1, description="generation budget of an episode, observations included "
+                                "(capped by rollout.max_new_tokens)")
+
+    @model_validator(mode="after")
+    def _runnable(self) -> GymTaskConfig:
+        gymnasium()  # a missing extra fails here, in one line naming it
+        gym_task(self)  # the adapter takes its options
+        return self
+
+
+def gym_task(entry: GymTaskConfig) -> GymTask:
+    """The task a `kind: gymnasium` entry describes (the config registers it as it validates)."""
+    return GymTask(name=entry.name, env_id=entry.env_id, adapter_options=tuple(sorted(entry.options.items())),
+                   max_turns=entry.max_turns, max_new_tokens=entry.max_new_tokens)

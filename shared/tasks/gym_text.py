@@ -1,0 +1,218 @@
+"""gymnasium environments as multi-turn text tasks (`kind: gymnasium` in a job's tasks).
+
+A registered environment is made with `gymnasium.make` and driven through a text adapter for its `env_id`: the
+adapter draws each problem's options (a map, a seed), renders observations in the model's vocabulary and parses the
+model's turns into actions. A turn that does not parse is a bad move: the environment is not stepped and the episode
+goes on, one turn spent. The same gymnasium environment replays a finished transcript for its reward, so what is
+trained is what the environment said.
+
+FrozenLake-v1 comes first, as ROLL runs it: `is_slippery=False`, maps from `generate_random_map`, one per problem
+(seeded), so the held-out split (jetroll's hash split on the map) is disjoint from training.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from jetroll.shared.tasks.base import DrawnTask, Problem
+from jetroll.shared.tasks.env import EnvStep
+
+EXTRA = "gymnasium needs the `gym` extra: pip install 'jetroll[gym]'"
+
+
+def gymnasium() -> Any:
+    """The gymnasium module, or an ImportError naming the extra."""
+    try:
+        import gymnasium
+    except ImportError:
+        raise ImportError(EXTRA) from None
+    return gymnasium
+
+
+class TextAdapter(Protocol):
+    """An environment in words: `draw` one problem's options, `make` its environment, `render` an observation,
+    `action` of a model turn (None: it does not parse), and a shortest `solution` for the warm start."""
+
+    actions: tuple[str, ...]
+
+    def draw(self, rng: random.Random) -> str: ...
+
+    def make(self, options: str) -> Any: ...
+
+    def render(self, env: Any, observation: Any) -> str: ...
+
+    def action(self, turn: str) -> int | None: ...
+
+    def solution(self, options: str) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class FrozenLakeText:
+    """FrozenLake-v1 in lowercase: the map is its rows joined by `/` (`s` start, `f` frozen, `h` hole, `g` goal),
+    a position is `at <row> <col>`, an action is one of `left down right up`."""
+
+    size: int = 4
+    frozen_prob: float = 0.8
+    actions: tuple[str, ...] = ("left", "down", "right", "up")  # gymnasium's action ids, in order
+
+    def draw(self, rng: random.Random) -> str:
+        gymnasium()
+        from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+        rows = generate_random_map(size=self.size, p=self.frozen_prob, seed=rng.getrandbits(31))
+        return "/".join(rows).lower()
+
+    def make(self, options: str) -> Any:
+        return gymnasium().make("FrozenLake-v1", desc=options.upper().split("/"), is_slippery=False)
+
+    def render(self, env: Any, observation: Any) -> str:
+        row, col = divmod(int(observation), self.size)
+        return f"at {row} {col}"
+
+    def action(self, turn: str) -> int | None:
+        word = turn.strip()
+        return self.actions.index(word) if word in self.actions else None
+
+    def solution(self, options: str) -> list[str]:
+        """A shortest path from `s` to `g` around the holes (breadth first, actions tried in id order)."""
+        rows = options.split("/")
+        start = next((r, c) for r, row in enumerate(rows) for c, cell in enumerate(row) if cell == "s")
+        moves = ((0, -1), (1, 0), (0, 1), (-1, 0))  # left down right up
+        paths: dict[tuple[int, int], list[str]] = {start: []}
+        queue = deque([start])
+        while queue:
+            r, c = queue.popleft()
+            if rows[r][c] == "g":
+                return paths[(r, c)]
+            for name, (dr, dc) in zip(self.actions, moves, strict=True):
+                nr, nc = r + dr, c + dc
+                if 0 <= nr < len(rows) and 0 <= nc < len(rows[0]) and rows[nr][nc] != "h" and (nr, nc) not in paths:
+                    paths[(nr, nc)] = [*paths[(r, c)], name]
+                    queue.append((nr, nc))
+        raise ValueError(f"no path from s to g on {options}")
+
+
+ADAPTERS: dict[str, type] = {"FrozenLake-v1": FrozenLakeText}
+
+
+def text_adapter(env_id: str, options: dict[str, Any]) -> TextAdapter:
+    try:
+        adapter = ADAPTERS[env_id]
+    except KeyError:
+        raise ValueError(f"no text adapter for gymnasium env {env_id!r}; adapters: {sorted(ADAPTERS)}") from None
+    return adapter(**options)
+
+
+class GymEnv:
+    """One episode of a gymnasium environment behind the Environment API (shared/tasks/env.py)."""
+
+    def __init__(self, adapter: TextAdapter, turn_end: str, max_turns: int) -> None:
+        self.adapter = adapter
+        self.turn_end = turn_end
+        self.max_turns = max_turns
+        self.env: Any = None
+        self.observation: Any = None
+        self.turns = 0
+
+    def start(self, options: str) -> None:
+        self.env = self.adapter.make(options)
+        self.observation, _ = self.env.reset(seed=0)
+        self.turns = 0
+
+    def advance(self, turn: str) -> EnvStep:
+        """One model turn: a parsed action steps the environment, anything else is a bad move that spends the
+        turn; the episode ends when the environment says so or at `max_turns`."""
+        assert self.env is not None, "step before reset"
+        self.turns += 1
+        action = self.adapter.action(turn)
+        reward, done = 0.0, False
+        if action is not None:
+            self.observation, reward, terminated, truncated, _ = self.env.step(action)
+            done = terminated or truncated
+        if done or self.turns >= self.max_turns:
+            return EnvStep(done=True, reward=float(reward))
+        return EnvStep(observation=self.adapter.render(self.env, self.observation) + self.turn_end)
+
+    async def reset(self, problem: Problem) -> None:
+        self.start(GymProblem.parse(problem.answer).options)
+
+    async def step(self, turn: str) -> EnvStep:
+        return self.advance(turn)
+
+
+@dataclass(frozen=True, slots=True)
+class GymProblem:
+    """What a problem's answer holds: everything its environment and reward are made again from."""
+
+    env_id: str
+    options: str  # the adapter's draw: a FrozenLake map
+    adapter_options: dict[str, Any]
+    max_turns: int
+
+    @classmethod
+    def parse(cls, answer: str) -> GymProblem:
+        return cls(**json.loads(answer))
+
+    def answer(self) -> str:
+        return json.dumps({"env_id": self.env_id, "options": self.options, "adapter_options": self.adapter_options,
+                           "max_turns": self.max_turns}, sort_keys=True)
+
+    def replay(self, transcript: str, turn_end: str = "\n") -> tuple[float, bool]:
+        """(the reward, whether the episode ended) of a finished transcript: model turns and the observations after
+        them alternate, one per `turn_end`."""
+        env = GymEnv(text_adapter(self.env_id, self.adapter_options), turn_end, self.max_turns)
+        env.start(self.options)
+        for turn in transcript.split(turn_end)[::2]:
+            step = env.advance(turn)
+            if step.done:
+                return step.reward or 0.0, True
+        return 0.0, False
+
+
+@dataclass(frozen=True)
+class GymTask(DrawnTask):
+    """A gymnasium environment as a multi-turn task: the prompt is the problem's options (a FrozenLake map) and the
+    first observation; the answer (`GymProblem`) makes the environment and its reward again."""
+
+    splits_seed: ClassVar[str] = "gymnasium"
+    name: str
+    env_id: str
+    adapter_options: tuple[tuple[str, Any], ...] = ()
+    reward: str = "gymnasium"
+    max_turns: int = 10
+    max_new_tokens: int = 96
+    turn_end: str = "\n"
+    adapter: TextAdapter = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapter", text_adapter(self.env_id, dict(self.adapter_options)))
+
+    def _draw(self, rng: random.Random) -> tuple[str]:
+        return (self.adapter.draw(rng),)
+
+    def key(self, options: str) -> str:
+        return f"{self.env_id}:{options}"
+
+    def make(self, options: str) -> Problem:
+        env = GymEnv(self.adapter, self.turn_end, self.max_turns)
+        env.start(options)
+        problem = GymProblem(self.env_id, options, dict(self.adapter_options), self.max_turns)
+        return Problem(prompt=f"{options} {self.adapter.render(env.env, env.observation)}{self.turn_end}",
+                       answer=problem.answer())
+
+    def make_env(self) -> GymEnv:
+        return GymEnv(self.adapter, self.turn_end, self.max_turns)
+
+    def sft_turns(self, problem: Problem) -> list[tuple[str, str]]:
+        """The shortest path, each move with the observation the environment gives after it."""
+        env = self.make_env()
+        env.start(GymProblem.parse(problem.answer).options)
+        path = self.adapter.solution(GymProblem.parse(problem.answer).options)
+        return [(move, env.advance(move).observation) for move in path]
+
+    def sft_completion(self, problem: Problem) -> str:
+        return "".join(turn + (self.turn_end + obs if obs else "") for turn, obs in self.sft_turns(problem))

@@ -1,0 +1,104 @@
+"""`kind: gymnasium` tasks: FrozenLake-v1 through gymnasium.make, as ROLL runs it, in the char model's vocabulary."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+
+import pytest
+
+from jetroll.functions.builtin import gymnasium_reward
+from jetroll.shared.config.gym import GymTaskConfig, gym_task
+from jetroll.shared.config.job import validate_config
+from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.tasks.env import EnvStep, is_multi_turn
+from jetroll.shared.tasks.gym_text import GymProblem, GymTask
+from jetroll.shared.tasks.registry import get_task
+
+pytest.importorskip("gymnasium", reason="kind: gymnasium needs the gym extra")
+
+
+def frozenlake(**fields: object) -> GymTask:
+    return gym_task(GymTaskConfig.model_validate({"kind": "gymnasium", "name": "frozenlake", **fields}))
+
+
+def run_episode(task: GymTask, problem_answer: str, turns: list[str]) -> list[EnvStep]:
+    async def episode() -> list[EnvStep]:
+        env = task.make_env()
+        await env.reset(task.make(GymProblem.parse(problem_answer).options))
+        steps = []
+        for turn in turns:
+            steps.append(await env.step(turn))
+            if steps[-1].done:
+                break
+        return steps
+
+    return asyncio.run(episode())
+
+
+def test_each_problem_is_its_own_seeded_map_and_the_held_out_maps_are_never_trained_on() -> None:
+    task = frozenlake()
+    assert is_multi_turn(task)
+    draws = [task.sample(random.Random(seed), 1) for seed in range(200)]
+    assert draws[:20] == [task.sample(random.Random(seed), 1) for seed in range(20)]  # a function of the draw's rng
+    maps = {GymProblem.parse(p.answer).options for p in draws}
+    assert len(maps) > 100  # generate_random_map's maps (4x4 ones repeat), not gymnasium's one default map
+    heldout = {GymProblem.parse(p.answer).options for p in task.heldout(50)}
+    assert len(heldout) == 50 and not heldout & maps
+    assert {GymProblem.parse(p.answer).options for p in task.probe(10)}.isdisjoint(heldout | maps)
+    for options in maps:
+        rows = options.split("/")
+        assert len(rows) == 4 and all(len(r) == 4 for r in rows) and options[0] == "s" and options[-1] == "g"
+
+
+def test_the_text_is_in_the_char_models_vocabulary_and_the_solver_reaches_the_goal() -> None:
+    task = frozenlake(options={"size": 5})
+    tokenizer = build_char_tokenizer()
+    for problem in task.heldout(20):
+        completion = task.sft_completion(problem)
+        tokenizer.encode(problem.prompt + completion)  # a closed alphabet refuses what it lacks
+        assert gymnasium_reward(completion, problem.answer).reward == 1.0
+        assert problem.prompt.endswith(" at 0 0\n") and completion.split("\n")[-1] in task.adapter.actions
+
+
+def test_moves_step_the_environment_unslippery_and_a_turn_that_does_not_parse_is_a_bad_move() -> None:
+    task = frozenlake()
+    answer = task.make("sfff/fhfh/fffh/hffg").answer
+    steps = run_episode(task, answer, ["right", "jump!", "", "down"])
+    assert [s.observation for s in steps[:-1]] == ["at 0 1\n", "at 0 1\n", "at 0 1\n"]  # (1, 1) is a hole
+    assert steps[-1] == EnvStep(done=True, reward=0.0)
+    path = ["down", "down", "right", "right", "down", "right"]
+    steps = run_episode(task, answer, path)
+    assert steps[-1] == EnvStep(done=True, reward=1.0)
+    # the episode's transcript as rollout writes it (each turn with its turn end, then the observation) scores 1
+    transcript = "".join(f"{move}\n{step.observation}" for move, step in zip(path, steps, strict=True))
+    assert transcript.startswith("down\nat 1 0\ndown\nat 2 0\n") and gymnasium_reward(transcript, answer).correct
+
+
+def test_an_episode_that_runs_out_of_turns_ends_unsolved() -> None:
+    task = frozenlake(max_turns=3)
+    answer = task.make("sfff/fhfh/fffh/hffg").answer
+    steps = run_episode(task, answer, ["left"] * 5)
+    assert len(steps) == 3 and steps[-1] == EnvStep(done=True, reward=0.0)
+    assert gymnasium_reward("left\nat 0 0\nleft\nat 0 0\nleft", answer).reward == 0.0
+    assert gymnasium_reward("down\nat 1 0\n", answer).correct is False  # cut off: never ended
+
+
+def test_a_job_config_registers_the_task_and_refuses_what_it_cannot_run() -> None:
+    config = validate_config({"tasks": [{"kind": "gymnasium", "name": "lake", "options": {"size": 6}}]})
+    task = get_task("lake")
+    assert isinstance(task, GymTask) and task.adapter.size == 6 and config.tasks[0].name == "lake"
+    with pytest.raises(Exception, match="no text adapter for gymnasium env 'CartPole-v1'"):
+        validate_config({"tasks": [{"kind": "gymnasium", "name": "pole", "env_id": "CartPole-v1"}]})
+    with pytest.raises(Exception, match="unexpected keyword argument 'holes'"):
+        validate_config({"tasks": [{"kind": "gymnasium", "name": "lake", "options": {"holes": 3}}]})
+
+
+def test_without_the_extra_a_gymnasium_task_fails_the_config_in_one_line_naming_it() -> None:
+    code = ("import sys; sys.modules['gymnasium'] = None\n"
+            "from jetroll.shared.config.job import validate_config\n"
+            "validate_config({'tasks': [{'kind': 'gymnasium', 'name': 'lake'}]})")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "gymnasium needs the `gym` extra: pip install 'jetroll[gym]'" in run.stderr
