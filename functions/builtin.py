@@ -79,6 +79,16 @@ def gymnasium_reward(completion: str, answer: str) -> RewardOutput:
     return RewardOutput(reward=value, correct=ended and value > 0)
 
 
+@reward("reasoning_gym")
+def reasoning_gym_reward(completion: str, answer: str) -> RewardOutput:
+    """A `kind: reasoning_gym` entry's own `score_answer` of the completion (stripped): 1.0 for an exact answer,
+    partial credit where the dataset gives it."""
+    from jetroll.shared.tasks.reasoning import EntryRef  # reasoning-gym: only its tasks pay for the import
+
+    score = EntryRef.parse(answer).score(completion)
+    return RewardOutput(reward=score, correct=score == 1.0)
+
+
 @reward("math")
 def math_reward(completion: str, answer: str) -> RewardOutput:
     """1.0 iff math-verify finds the completion's final answer equal to `answer` (so `\\frac{1}{2}` equals `0.5`).

@@ -17,6 +17,7 @@ from jetroll.shared.config.gym import GymTaskConfig, gym_task
 from jetroll.shared.config.launch import LaunchConfig, RedisConfig
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.config.precision import PrecisionConfig
+from jetroll.shared.config.reasoning import ReasoningGymTaskConfig, reasoning_gym_task
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.config.rollout import RolloutConfig
 from jetroll.shared.config.staleness import StalenessConfig
@@ -39,7 +40,8 @@ def _task_kind(entry: Any) -> str:
 
 
 TaskEntry = Annotated[Annotated[TaskWeight, Tag("registered")] | Annotated[DatasetTaskConfig, Tag("dataset")]
-                      | Annotated[GymTaskConfig, Tag("gymnasium")], Discriminator(_task_kind)]
+                      | Annotated[GymTaskConfig, Tag("gymnasium")]
+                      | Annotated[ReasoningGymTaskConfig, Tag("reasoning_gym")], Discriminator(_task_kind)]
 
 
 class EvalConfig(Strict):
@@ -70,7 +72,8 @@ class JobConfig(Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     tasks: list[TaskEntry] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1,
                                    description="the task mix: registered tasks by name, `kind: dataset` "
-                                   "entries read from files and `kind: gymnasium` environments")
+                                   "entries read from files, `kind: gymnasium` environments and `kind: reasoning_gym` "
+                                   "datasets")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -102,6 +105,12 @@ class JobConfig(Strict):
                 register_configured(dataset_task(task, self.seed))
             elif isinstance(task, GymTaskConfig):
                 register_configured(gym_task(task))
+            elif isinstance(task, ReasoningGymTaskConfig):
+                if self.model.path is None and self.model.tokenizer is None:
+                    raise ValueError(f"reasoning_gym task {task.name}: its prompts are English with capitals, which "
+                                     "the tiny model's char vocabulary cannot spell; set model.tokenizer (a byte-level "
+                                     "BPE such as configs/models/bpe-math) or model.path")
+                register_configured(reasoning_gym_task(task, self.seed))
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")

@@ -8,6 +8,7 @@ from jetroll.shared.tasks.calculator import CalculatorTask
 from jetroll.shared.tasks.count import CountTask
 from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.gym_text import GymTask
+from jetroll.shared.tasks.reasoning import ReasoningGymTask
 
 TASKS: dict[str, Task] = {}
 
@@ -21,11 +22,11 @@ def register_task(task: Task) -> Task:
     return task
 
 
-def register_configured(task: DatasetTask | GymTask) -> None:
-    """Register a task a job config describes (a dataset's, a gymnasium environment's). It replaces an earlier
+def register_configured(task: DatasetTask | GymTask | ReasoningGymTask) -> None:
+    """Register a task a job config describes (a dataset's, an environment's). It replaces an earlier
     configured task of its name (the last config validated in a process wins), never a built-in task."""
     existing = TASKS.get(task.name)
-    if existing is not None and not isinstance(existing, DatasetTask | GymTask):
+    if existing is not None and not isinstance(existing, DatasetTask | GymTask | ReasoningGymTask):
         raise ValueError(f"task {task.name!r}: a built-in task has that name")
     if existing != task:
         TASKS[task.name] = task

@@ -1,0 +1,110 @@
+"""reasoning-gym's procedural datasets as tasks (`kind: reasoning_gym` in a job's tasks; the `reasoning` extra).
+
+A problem is one entry of `reasoning_gym.create_dataset(name, seed, size, **options)`: its question is the prompt,
+its answer the warm start's target, and the dataset's own `score_answer` scores a completion. Training entries come
+from the job-seeded dataset, drawn by the group's own RNG (a pure function of the job's seed and the admission index);
+held-out and probe entries from one fixed-seed dataset per task. Small procedural spaces repeat, so every split is
+jetroll's hash split on the question: a held-out question is never trained on, whichever seed drew it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from jetroll.shared.tasks.base import Problem, Split, split_of
+
+EXTRA = "reasoning-gym needs the `reasoning` extra: pip install 'jetroll[reasoning]'"
+SPLIT_SEED = 1_000_003  # the held-out and probe entries' dataset seed, the same in every job
+
+
+def reasoning_gym() -> Any:
+    """The reasoning_gym module, or an ImportError naming the extra."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ImportError(EXTRA) from None
+    return reasoning_gym
+
+
+@lru_cache(maxsize=32)
+def dataset(name: str, options: str, seed: int, size: int) -> Any:
+    """A reasoning-gym dataset (`options`: its config as sorted JSON); entries are generated on indexing."""
+    return reasoning_gym().create_dataset(name, seed=seed, size=size, **json.loads(options))
+
+
+@dataclass(frozen=True, slots=True)
+class EntryRef:
+    """What a problem's answer holds: where its entry is, so the reward regenerates it and scores against it."""
+
+    dataset: str
+    options: str
+    seed: int
+    size: int
+    index: int
+
+    @classmethod
+    def parse(cls, answer: str) -> EntryRef:
+        return cls(**json.loads(answer))
+
+    def dump(self) -> str:
+        return json.dumps({"dataset": self.dataset, "options": self.options, "seed": self.seed, "size": self.size,
+                           "index": self.index}, sort_keys=True)
+
+    def entry(self) -> dict[str, Any]:
+        return dataset(self.dataset, self.options, self.seed, self.size)[self.index]
+
+    def score(self, completion: str) -> float:
+        """The dataset's own score of a completion (its text, stripped), in [0, 1]."""
+        data = dataset(self.dataset, self.options, self.seed, self.size)
+        return float(data.score_answer(answer=completion.strip(), entry=data[self.index]))
+
+
+@dataclass(frozen=True)
+class ReasoningGymTask:
+    name: str
+    dataset: str
+    options: tuple[tuple[str, Any], ...] = ()
+    seed: int = 0  # the job's: its training entries' dataset
+    size: int = 100_000  # entries a split draws from
+    reward: str = "reasoning_gym"
+    max_new_tokens: int = 32
+
+    def _ref(self, seed: int, index: int) -> EntryRef:
+        return EntryRef(self.dataset, json.dumps(dict(self.options), sort_keys=True), seed, self.size, index)
+
+    def _problem(self, ref: EntryRef) -> tuple[Problem, Split]:
+        question = ref.entry()["question"]
+        return Problem(prompt=question, answer=ref.dump()), split_of(f"{self.name}:{question}")
+
+    def sample(self, rng: random.Random, index: int = 0) -> Problem:
+        while True:
+            problem, split = self._problem(self._ref(self.seed, rng.randrange(self.size)))
+            if split == "train":
+                return problem
+
+    def _split(self, n: int, split: Split) -> list[Problem]:
+        problems, seen = [], set()
+        for index in range(self.size):
+            if len(problems) == n:
+                return problems
+            problem, of = self._problem(self._ref(SPLIT_SEED, index))
+            if of == split and problem.prompt not in seen:
+                seen.add(problem.prompt)
+                problems.append(problem)
+        raise ValueError(f"{self.name}: asked for {n} {split} problems; found {len(problems)} in {self.size} entries")
+
+    def heldout(self, n: int) -> list[Problem]:
+        return self._split(n, "heldout")
+
+    def probe(self, n: int) -> list[Problem]:
+        return self._split(n, "probe")
+
+    def sft_sample(self, rng: random.Random) -> Problem:
+        return self.sample(rng)
+
+    def sft_completion(self, problem: Problem) -> str:
+        return str(EntryRef.parse(problem.answer).entry()["answer"])
