@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, groups_
 from jetroll.shared.protocol.validate import EventLimits, check_group, expecting
 from jetroll.shared.store.base import WeightStore, WeightStoreError, encode_manifest
 from jetroll.shared.tasks.base import Problem
-from jetroll.shared.tasks.env import is_multi_turn
+from jetroll.shared.tasks.env import FlakyEnv, is_multi_turn
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger("jetroll.rollout")
@@ -273,8 +274,13 @@ class RolloutWorker:
             self.engine.add(requests)
             return
         assert self.turns is not None
+        faults = self.config.env_faults(group.task)
         for request in requests:  # each joins the engine once its environment has reset
-            self.turns.start(request, task.make_env(), Problem(group.prompt, group.answer))
+            env = task.make_env()
+            if faults is not None:
+                env = FlakyEnv(env, faults.delay_s, faults.failure_rate,
+                               random.Random(f"{self.config.seed}:{request.request_id}"))
+            self.turns.start(request, env, Problem(group.prompt, group.answer))
 
     async def _emit(self, finished: list[Request]) -> None:
         await self.bus.wait_for_capacity(TRAJ_RAW.name, TRAJ_RAW.group, self.config.redis.max_lag)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import Strict
+from jetroll.shared.config.faults import EnvFaults
 from jetroll.shared.tasks.gym_text import ADAPTERS, GymTask, gymnasium
 
 
@@ -21,6 +22,8 @@ class GymTaskConfig(Strict):
                                     "size, the map's side, 4 by default; frozen_prob, a cell's chance to be "
                                     "frozen, 0.8)")
     max_turns: int = Field(10, ge=1, description="model turns before an episode ends unsolved")
+    env_faults: EnvFaults | None = Field(None, description="the environment made slow and flaky on purpose: "
+                                         "{delay_s, failure_rate}")
     max_new_tokens: int = Field(96, ge=1, description="generation budget of an episode, observations included "
                                 "(capped by rollout.max_new_tokens)")
 

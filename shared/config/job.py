@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, mod
 
 from jetroll.shared.config.base import Strict
 from jetroll.shared.config.dataset import DatasetTaskConfig, dataset_task
+from jetroll.shared.config.faults import EnvFaults
 from jetroll.shared.config.gym import GymTaskConfig, gym_task
 from jetroll.shared.config.launch import LaunchConfig, RedisConfig
 from jetroll.shared.config.model import ModelConfig
@@ -33,6 +34,8 @@ class TaskWeight(Strict):
                                         "kind; `dataset`: a task read from files; `gymnasium`: an environment)")
     name: str = Field(description="a registered task name (see jetroll.shared.tasks.registry.TASKS)")
     weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
+    env_faults: EnvFaults | None = Field(None, description="a multi-turn task's environment made slow and flaky on "
+                                         "purpose: {delay_s, failure_rate}")
 
 
 def _task_kind(entry: Any) -> str:
@@ -85,8 +88,16 @@ class JobConfig(Strict):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
+    def env_faults(self, task: str) -> EnvFaults | None:
+        """The faults injected into `task`'s environments (`tasks[].env_faults`), if any."""
+        for entry in self.tasks:
+            if entry.name == task and isinstance(entry, TaskWeight | GymTaskConfig):
+                return entry.env_faults
+        return None
+
     @model_validator(mode="after")
     def _known_tasks(self) -> JobConfig:
+        from jetroll.shared.tasks.env import is_multi_turn
         from jetroll.shared.tasks.registry import TASKS, register_configured
 
         names = [task.name for task in self.tasks]
@@ -114,6 +125,9 @@ class JobConfig(Strict):
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")
+            faulty = isinstance(task, TaskWeight | GymTaskConfig) and task.env_faults is not None
+            if faulty and not is_multi_turn(TASKS[task.name]):
+                raise ValueError(f"tasks.{i}.env_faults: task {task.name!r} has no environment to make flaky")
         for pool in self.rollout.pools:
             if (pool.max_batch or self.rollout.max_batch) < self.trainer.group_size:
                 raise ValueError(f"rollout.max_batch (or pool {pool.name}'s max_batch) must be >= "

@@ -75,16 +75,22 @@ def check_group(event: GroupEvent, limits: EventLimits) -> str | None:
             or _check_range("min_version", event.min_version, 0, limits.max_version))
 
 
+ENV_STATUSES = ("ok", "timeout", "error")  # a multi-turn episode's environment, after its retries (tasks/env.py)
+
+
 def check_trajectory(event: TrajectoryEvent, limits: EventLimits, newest_version: int | None = None) -> str | None:
     """One finished sample. `newest_version`, when the consumer knows it, bounds every version the event names."""
     newest = limits.max_version if newest_version is None else min(newest_version, limits.max_version)
     reason = (_check_header(event.task, event.pool, event.group_size, limits)
               or _check_range("sample", event.sample, 0, limits.group_size - 1)
               or _check_ids("prompt_ids", event.prompt_ids, limits, min_len=1, max_len=limits.max_seq_len - 1)
-              or _check_ids("completion_ids", event.completion_ids, limits, min_len=1,
+              # an episode whose environment failed to reset never sampled: its group is dropped, not trained
+              or _check_ids("completion_ids", event.completion_ids, limits, min_len=int(event.env_status == "ok"),
                             max_len=limits.max_seq_len - event.prompt_ids.shape[0]))
     if reason:
         return reason
+    if event.env_status not in ENV_STATUSES:
+        return f"env_status {event.env_status!r} is not one of {', '.join(ENV_STATUSES)}"
     if event.traj_id != f"{event.group_id}:{event.sample}":
         return f"traj_id {event.traj_id!r} is not group_id:sample ({event.group_id}:{event.sample})"
     n = event.completion_ids.shape[0]
@@ -95,7 +101,7 @@ def check_trajectory(event: TrajectoryEvent, limits: EventLimits, newest_version
     mask = event.loss_mask.numpy()
     if not np.isin(mask, (0, 1)).all():
         return "loss_mask holds values other than 0 and 1"
-    if not mask.any():
+    if n and not mask.any():
         return "loss_mask marks no policy token"
     logprobs = event.behavior_logprobs.numpy()
     if event.behavior_logprobs.dtype != "<f4" or not np.isfinite(logprobs).all() or (logprobs > 1e-4).any():
@@ -103,7 +109,7 @@ def check_trajectory(event: TrajectoryEvent, limits: EventLimits, newest_version
     if event.v_tok.dtype not in INTEGER_DTYPES:
         return f"v_tok has dtype {event.v_tok.dtype}, not an integer"
     versions = event.v_tok.numpy()
-    if versions.min() < 0 or versions.max() > newest:
+    if n and (versions.min() < 0 or versions.max() > newest):
         return f"v_tok spans versions {versions.min()}..{versions.max()}, outside 0..{newest}"
     if not 0 <= event.v_adm <= newest:
         return f"v_adm {event.v_adm} is outside 0..{newest}"
@@ -167,6 +173,6 @@ def _check_ids(name: str, ids: Array, limits: EventLimits, *, min_len: int, max_
     if not min_len <= ids.shape[0] <= max_len:
         return f"{name} has {ids.shape[0]} tokens, outside {min_len}..{max_len}"
     values = ids.numpy()
-    if values.min() < 0 or values.max() >= limits.vocab_rows:
+    if values.size and (values.min() < 0 or values.max() >= limits.vocab_rows):
         return f"{name} holds token ids outside 0..{limits.vocab_rows - 1}"
     return None

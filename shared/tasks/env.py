@@ -13,6 +13,7 @@ router records `env_fail` and the trainer drops the group, counted by status.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, runtime_checkable
@@ -88,3 +89,33 @@ async def call_env(call: Callable[[], Awaitable[T]], timeout_s: float, max_retri
         except Exception as exc:  # an environment's failure is a status on its trajectory, never a lost worker
             status, error = "error", f"{type(exc).__name__}: {exc}"
     return EnvOutcome(status, None, max_retries + 1, error)
+
+
+class EnvFault(RuntimeError):
+    """A failure injected on purpose (`EnvFaults`)."""
+
+
+class FlakyEnv:
+    """An environment made slow and flaky on purpose, for any multi-turn task (`tasks[].env_faults`): every reset and
+    step first waits `delay_s`, then fails with probability `failure_rate` before the wrapped environment sees it, so
+    a retried call is safe. `rng` decides the failures: seeded per episode, a run's faults repeat."""
+
+    def __init__(self, env: Environment, delay_s: float, failure_rate: float, rng: random.Random) -> None:
+        self.env = env
+        self.delay_s = delay_s
+        self.failure_rate = failure_rate
+        self.rng = rng
+
+    async def _fault(self, call: str) -> None:
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+        if self.rng.random() < self.failure_rate:
+            raise EnvFault(f"an injected {call} failure (env_faults.failure_rate {self.failure_rate:g})")
+
+    async def reset(self, problem: Problem) -> None:
+        await self._fault("reset")
+        await self.env.reset(problem)
+
+    async def step(self, turn: str) -> EnvStep:
+        await self._fault("step")
+        return await self.env.step(turn)

@@ -244,3 +244,26 @@ async def _calculator_answer(call: str, prompt: str, answer: str) -> EnvStep:
     env = CalculatorEnv()
     await env.reset(Problem(prompt, answer))
     return await env.step(call)
+
+
+@pytest.mark.slow  # about 40 s: the calculator smoke job with a flaky environment
+def test_env_faults_make_a_jobs_environment_flaky_and_its_failed_episodes_are_dropped_and_counted(
+    smoke_model: str, redis_url: str, tmp_path: Path
+) -> None:
+    """`tasks[].env_faults` through the rollout worker: injected failures past their retry end episodes as `error`,
+    their groups are dropped (never a reward of 0), and the job still finishes."""
+    run_dir = tmp_path / "run"
+    cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir", str(run_dir),
+           "--set", f"model.path={smoke_model}", "--set", f"job_id=c{uuid.uuid4().hex[:8]}",
+           "--set", "tasks=[{name: calculator, env_faults: {delay_s: 0.02, failure_rate: 0.2}}]",
+           "--set", "eval.num_problems=0"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["groups_dropped"] > 0, summary
+    assert summary["dropped_by_status"] == {"env_fail": summary["groups_dropped"]}
+    # a reset that failed sampled nothing: its empty trajectory is dropped with its group, never dead-lettered (the
+    # trainer would wait for that group at the staleness bound for good)
+    assert summary["dead_letters"] == {}
+    log = (run_dir / "logs" / "rollout-default-0.log").read_text()
+    assert "an injected step failure" in log and "an injected reset failure" in log

@@ -93,9 +93,25 @@ def test_bad_groups_name_the_problem(fields: dict[str, Any], reason: str) -> Non
     ({"temperature": float("nan")}, "temperature nan is not a positive number"),
     ({"top_p": 0.0}, "top_p 0.0 is outside (0, 1]"),
     ({"v_adm": 12}, "v_adm 12 is outside 0..10"),
+    ({"env_status": "crashed"}, "env_status 'crashed' is not one of ok, timeout, error"),
+    ({**{name: Array.of([], dtype) for name, dtype in (("completion_ids", "<i4"), ("loss_mask", "<u1"),
+                                                        ("behavior_logprobs", "<f4"), ("v_tok", "<i4"))}},
+     "completion_ids has 0 tokens, outside 1..12"),
 ])
 def test_bad_trajectories_name_the_problem(fields: dict[str, Any], reason: str) -> None:
     assert reason in (check_trajectory(trajectory(**fields), LIMITS) or "")
+
+
+@pytest.mark.parametrize("status", ["timeout", "error"])
+def test_an_episode_whose_environment_never_reset_has_no_tokens_and_still_passes(status: str) -> None:
+    """It is emitted so its group completes and is dropped: refused, it would hold the trainer at the staleness
+    bound for good."""
+    empty = {name: Array.of([], dtype) for name, dtype in (("completion_ids", "<i4"), ("loss_mask", "<u1"),
+                                                            ("behavior_logprobs", "<f4"), ("v_tok", "<i4"))}
+    assert check_trajectory(trajectory(env_status=status, **empty), LIMITS) is None
+    scored = ScoredEvent(job_id="j", trajectory=trajectory(env_status=status, **empty), reward=None,
+                         status="env_fail", attempts=0, backend="local", latency_s=0.0)
+    assert check_scored(scored, LIMITS) is None
 
 
 def test_a_version_newer_than_the_consumers_own_is_from_the_future() -> None:
