@@ -68,6 +68,12 @@ def calculator_reward(completion: str, answer: str) -> RewardOutput:
     return RewardOutput(reward=float(correct), correct=correct)
 
 
+# rewards that replay an environment or a dataset through jetroll.shared and an optional extra: they run on the local,
+# inline and Celery backends (the job's image), not from rewards.zip (scripts/build_lambda_zips.py), which holds
+# functions/ alone
+NOT_ON_LAMBDA = frozenset({"gymnasium", "reasoning_gym"})
+
+
 @reward("gymnasium")
 def gymnasium_reward(completion: str, answer: str) -> RewardOutput:
     """The environment's own reward for a `kind: gymnasium` episode: its transcript (model turns and observations,

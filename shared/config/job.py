@@ -97,6 +97,7 @@ class JobConfig(Strict):
 
     @model_validator(mode="after")
     def _known_tasks(self) -> JobConfig:
+        from jetroll.functions.builtin import NOT_ON_LAMBDA
         from jetroll.shared.tasks.env import is_multi_turn
         from jetroll.shared.tasks.registry import TASKS, register_configured
 
@@ -125,6 +126,10 @@ class JobConfig(Strict):
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")
+            if TASKS[task.name].reward in NOT_ON_LAMBDA and self.reward.backend_of(task.name) == "lambda":
+                raise ValueError(f"task {task.name!r}: its reward {TASKS[task.name].reward!r} replays the task "
+                                 "through jetroll.shared and its extra, which the Lambda package leaves out; score it "
+                                 "on the local, inline or celery backend")
             faulty = isinstance(task, TaskWeight | GymTaskConfig) and task.env_faults is not None
             if faulty and not is_multi_turn(TASKS[task.name]):
                 raise ValueError(f"tasks.{i}.env_faults: task {task.name!r} has no environment to make flaky")

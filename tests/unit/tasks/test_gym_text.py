@@ -12,6 +12,7 @@ import pytest
 from jetroll.functions.builtin import gymnasium_reward
 from jetroll.shared.config.gym import GymTaskConfig, gym_task
 from jetroll.shared.config.job import validate_config
+from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.tasks.env import EnvStep, is_multi_turn
 from jetroll.shared.tasks.gym_text import GymProblem, GymTask
@@ -92,6 +93,8 @@ def test_a_job_config_registers_the_task_and_refuses_what_it_cannot_run() -> Non
     assert isinstance(task, GymTask) and task.adapter.size == 6 and config.tasks[0].name == "lake"
     with pytest.raises(Exception, match="no text adapter for gymnasium env 'CartPole-v1'"):
         validate_config({"tasks": [{"kind": "gymnasium", "name": "pole", "env_id": "CartPole-v1"}]})
+    with pytest.raises(ConfigError, match="reward 'gymnasium' replays the task through jetroll.shared"):
+        validate_config({"tasks": [{"kind": "gymnasium", "name": "lake"}], "reward": {"backend": "lambda"}})
     with pytest.raises(Exception, match="unexpected keyword argument 'holes'"):
         validate_config({"tasks": [{"kind": "gymnasium", "name": "lake", "options": {"holes": 3}}]})
 
