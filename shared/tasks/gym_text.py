@@ -209,10 +209,10 @@ class GymTask(DrawnTask):
 
     def sft_turns(self, problem: Problem) -> list[tuple[str, str]]:
         """The shortest path, each move with the observation the environment gives after it."""
+        options = GymProblem.parse(problem.answer).options
         env = self.make_env()
-        env.start(GymProblem.parse(problem.answer).options)
-        path = self.adapter.solution(GymProblem.parse(problem.answer).options)
-        return [(move, env.advance(move).observation) for move in path]
+        env.start(options)
+        return [(move, env.advance(move).observation) for move in self.adapter.solution(options)]
 
     def sft_completion(self, problem: Problem) -> str:
         return "".join(turn + (self.turn_end + obs if obs else "") for turn, obs in self.sft_turns(problem))
