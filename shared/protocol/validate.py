@@ -75,9 +75,6 @@ def check_group(event: GroupEvent, limits: EventLimits) -> str | None:
             or _check_range("min_version", event.min_version, 0, limits.max_version))
 
 
-ENV_STATUSES = ("ok", "timeout", "error")  # a multi-turn episode's environment, after its retries (tasks/env.py)
-
-
 def check_trajectory(event: TrajectoryEvent, limits: EventLimits, newest_version: int | None = None) -> str | None:
     """One finished sample. `newest_version`, when the consumer knows it, bounds every version the event names."""
     newest = limits.max_version if newest_version is None else min(newest_version, limits.max_version)
@@ -89,8 +86,6 @@ def check_trajectory(event: TrajectoryEvent, limits: EventLimits, newest_version
                             max_len=limits.max_seq_len - event.prompt_ids.shape[0]))
     if reason:
         return reason
-    if event.env_status not in ENV_STATUSES:
-        return f"env_status {event.env_status!r} is not one of {', '.join(ENV_STATUSES)}"
     if event.traj_id != f"{event.group_id}:{event.sample}":
         return f"traj_id {event.traj_id!r} is not group_id:sample ({event.group_id}:{event.sample})"
     n = event.completion_ids.shape[0]

@@ -93,7 +93,6 @@ def test_bad_groups_name_the_problem(fields: dict[str, Any], reason: str) -> Non
     ({"temperature": float("nan")}, "temperature nan is not a positive number"),
     ({"top_p": 0.0}, "top_p 0.0 is outside (0, 1]"),
     ({"v_adm": 12}, "v_adm 12 is outside 0..10"),
-    ({"env_status": "crashed"}, "env_status 'crashed' is not one of ok, timeout, error"),
     ({**{name: Array.of([], dtype) for name, dtype in (("completion_ids", "<i4"), ("loss_mask", "<u1"),
                                                         ("behavior_logprobs", "<f4"), ("v_tok", "<i4"))}},
      "completion_ids has 0 tokens, outside 1..12"),
