@@ -11,9 +11,8 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 from jetroll.shared.model.chat import render_chat
+from jetroll.shared.model.tokenizer import write_bpe_tokenizer
 
 DATA = Path("data/agent_calc.jsonl")
 TOKENIZER = Path("configs/models/bpe-agent")
@@ -73,21 +72,12 @@ def main() -> None:
                          "messages": transcript(question, expression, answer)})
     DATA.parent.mkdir(parents=True, exist_ok=True)
     DATA.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    backend = Tokenizer(models.BPE())
-    # digits one by one, as Qwen2's tokenizer splits them: arithmetic stays digit-wise
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    backend.decoder = decoders.ByteLevel()
     special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     corpus = [render_chat(TEMPLATE, row["messages"], special, tools=[CALCULATOR], add_generation_prompt=False)
               for row in rows]
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=768, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    TOKENIZER.mkdir(parents=True, exist_ok=True)
-    backend.save(str(TOKENIZER / "tokenizer.json"))
-    (TOKENIZER / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": TEMPLATE}, indent=2) + "\n")
-    print(f"{DATA}: {len(rows)} rows; {TOKENIZER}: {backend.get_vocab_size()} tokens")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": TEMPLATE}
+    vocab_size = write_bpe_tokenizer(TOKENIZER, corpus, 768, SPECIAL, config)
+    print(f"{DATA}: {len(rows)} rows; {TOKENIZER}: {vocab_size} tokens")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from jetroll.shared.model.tokenizer import write_bpe_tokenizer
 
 DATA = Path("data/math_word.jsonl")
 TOKENIZER = Path("configs/models/bpe-math")
@@ -65,20 +65,11 @@ def main() -> None:
             rows.append(row)
     DATA.parent.mkdir(parents=True, exist_ok=True)
     DATA.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    backend = Tokenizer(models.BPE())
-    # digits one by one, as Qwen2's tokenizer splits them: arithmetic stays digit-wise
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    backend.decoder = decoders.ByteLevel()
     corpus = [text for row in rows for text in (row["question"], row["solution"])]
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    TOKENIZER.mkdir(parents=True, exist_ok=True)
-    backend.save(str(TOKENIZER / "tokenizer.json"))
-    (TOKENIZER / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-         "chat_template": TEMPLATE}, indent=2) + "\n")
-    print(f"{DATA}: {len(rows)} rows; {TOKENIZER}: {backend.get_vocab_size()} tokens")
+    vocab_size = write_bpe_tokenizer(TOKENIZER, corpus, 512, SPECIAL, {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": TEMPLATE})
+    print(f"{DATA}: {len(rows)} rows; {TOKENIZER}: {vocab_size} tokens")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 CHARSET = "0123456789+-=*/:;,.?!()[] abcdefghijklmnopqrstuvwxyz\n"
@@ -85,6 +85,22 @@ class Tokenizer:
         }
         for name, text in {"tokenizer_config.json": json.dumps(meta, indent=2), **self.files}.items():
             (directory / name).write_text(text)
+
+
+def write_bpe_tokenizer(directory: Path, corpus: list[str], vocab_size: int, special_tokens: list[str],
+                        config: dict[str, str]) -> int:
+    """Train a byte-level BPE on `corpus` (digits one by one, as Qwen2's tokenizer splits them, so arithmetic stays
+    digit-wise) and write it to `directory` with `config` as its tokenizer_config.json; returns its vocabulary size."""
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return backend.get_vocab_size()
 
 
 def build_char_tokenizer() -> Tokenizer:
