@@ -21,7 +21,6 @@ class MetricsBook:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.steps: dict[int, dict[str, float]] = defaultdict(dict)
         self.rows: list[dict[str, float]] = []
         self.latest: dict[str, float] = {}  # service/name -> last value (rollout throughput etc.)
         self.totals: dict[str, float] = defaultdict(float)
@@ -38,16 +37,13 @@ class MetricsBook:
         self.rows.append(row)
 
     def add(self, event: MetricsEvent) -> dict[str, float] | None:
+        """A trainer's event is its step's row; another service's values are kept as its latest."""
         if event.service != "trainer":
-            self.latest[f"{event.service}/{event.name}"] = event.value
+            self.latest |= {f"{event.service}/{name}": value for name, value in event.values.items()}
             return None
-        if event.name != "step_done":
-            self.steps[event.step][event.name] = event.value
-            return None
-        stats = self.steps.pop(event.step, {})
         if any(r["step"] == event.step for r in self.rows):  # already written before a restart
             return None
-        row = {"step": event.step, "time_s": event.time - self.started, **stats,
+        row = {"step": event.step, "time_s": event.time - self.started, **event.values,
                "rollout_tokens_per_s": self.rollout_tokens_per_s(), **self._service_columns()}
         self._count(row)
         with self.path.open("a") as f:

@@ -240,10 +240,8 @@ class RewardRouter:
             "reward/duplicates": self.counts["duplicates"],
             **{f"reward/final_{status}": self.counts[f"final_{status}"] for status in FINAL_STATUSES[1:]},
         }
-        events = [
-            MetricsEvent(job_id=self.bus.job_id, service="reward", name=name, value=float(value), step=step)
-            for name, value in values.items()
-        ]
-        await self.bus.publish_many(METRICS, events)
+        await self.bus.publish(METRICS, MetricsEvent(
+            job_id=self.bus.job_id, service="reward", values={name: float(value) for name, value in values.items()},
+            step=step))
         self._metrics_at, self._metrics_scored = now, step
 

@@ -336,9 +336,9 @@ class RolloutWorker:
 
     async def _metrics(self, values: dict[str, float]) -> None:
         assert self.engine is not None
-        await self.bus.publish_many(METRICS, [
+        await self.bus.publish(METRICS, MetricsEvent(
             # pool/<name>/ lets the controller total each pool over its workers
-            MetricsEvent(job_id=self.config.job_id, service=self.consumer, name=f"pool/{self.pool.name}/{name}",
-                         value=float(value),
-                         step=self.engine.version) for name, value in values.items()])
+            job_id=self.config.job_id, service=self.consumer,
+            values={f"pool/{self.pool.name}/{name}": float(value) for name, value in values.items()},
+            step=self.engine.version))
 

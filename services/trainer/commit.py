@@ -250,8 +250,6 @@ class Committer:
         return state
 
     async def _emit(self, version: int, stats: dict[str, float]) -> None:
-        events = [MetricsEvent(job_id=self.config.job_id, service="trainer", name=name, value=float(value),
-                               step=version) for name, value in stats.items()]
-        events.append(MetricsEvent(job_id=self.config.job_id, service="trainer", name="step_done", value=1.0,
-                                   step=version))
-        await self.bus.publish_many(METRICS, events)
+        await self.bus.publish(METRICS, MetricsEvent(
+            job_id=self.config.job_id, service="trainer", values={name: float(value) for name, value in stats.items()},
+            step=version))

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMAS = frozenset({1})
+# 2: a metrics event carries all of one report's values; every other event reads as in 1
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMAS = frozenset({1, 2})
 
 ArrayDtype = Literal["<i4", "<f4", "<i8", "<u1"]
+ITEMSIZE = {dtype: np.dtype(dtype).itemsize for dtype in get_args(ArrayDtype)}
 RewardStatus = Literal["ok", "timeout", "error", "throttled", "env_fail"]
 
 
@@ -27,7 +30,10 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
     data: bytes
 
     def __post_init__(self) -> None:
-        expected = int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        # plain Python, not numpy: this runs for every array of every event decoded, a few per trajectory
+        if any(dim < 0 for dim in self.shape):
+            raise ValueError(f"array shape {self.shape} has a negative dimension")
+        expected = math.prod(self.shape) * ITEMSIZE[self.dtype]
         if len(self.data) != expected:
             raise ValueError(f"array of shape {self.shape} {self.dtype} needs {expected} bytes, got {len(self.data)}")
 
@@ -121,11 +127,10 @@ class WeightsPublishedEvent(Event, tag="weights"):
     precision_id: str
 
 
-# every service -> controller (tailed)
+# every service -> controller (tailed): one event per report, the trainer's once per step
 class MetricsEvent(Event, tag="metrics"):
     service: str
-    name: str
-    value: float
+    values: dict[str, float]  # metric name -> value
     step: int
     time: float = msgspec.field(default_factory=time.time)
 

@@ -94,7 +94,7 @@ def check_trajectory(event: TrajectoryEvent, limits: EventLimits, newest_version
         if array.shape != (n,):
             return f"{name} has shape {array.shape}, the completion has {n} tokens"
     mask = event.loss_mask.numpy()
-    if not np.isin(mask, (0, 1)).all():
+    if ((mask != 0) & (mask != 1)).any():  # not np.isin: 15x slower on a trajectory's few tokens
         return "loss_mask holds values other than 0 and 1"
     if n and not mask.any():
         return "loss_mask marks no policy token"
@@ -140,8 +140,8 @@ def check_weights(event: WeightsPublishedEvent, limits: EventLimits, manifest_ur
 def check_metrics(event: MetricsEvent, limits: EventLimits) -> str | None:
     """A metric: the trainer's `step` is its version, which rows are keyed by; another service's counts what it
     likes (the reward router: samples scored)."""
-    if not event.name or not event.service:
-        return "a metric without a name or a service"
+    if not event.service or not event.values or not all(event.values):
+        return "a metrics event without a service, values or a name"
     high = limits.max_version if event.service == "trainer" else None
     if event.step < 0 or high is not None and event.step > high:
         return f"step {event.step} of a {event.service} metric is outside 0..{high if high is not None else ''}"

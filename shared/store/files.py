@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -77,21 +77,31 @@ def copy_tree(src_dir: Path, dst_dir: Path) -> list[Shard]:
     return shards
 
 
-def take_tree(src_dir: Path, dst_dir: Path) -> list[Shard]:
+FileIdentity = tuple[int, int, int, int]  # device, inode, size, mtime: one file's bytes, whatever its names
+
+
+def take_tree(src_dir: Path, dst_dir: Path,
+              hashed_before: Mapping[FileIdentity, str]) -> tuple[list[Shard], dict[FileIdentity, str]]:
     """Place `src_dir`'s files under `dst_dir` by hard link, each hashed and fsynced where it is: for files written
-    on the store's own filesystem for the store to keep. Files that are links of one another stay one file."""
-    shards = []
+    on the store's own filesystem for the store to keep. Files that are links of one another stay one file, hashed
+    once: `hashed_before` holds the sha256 of the files of the tree taken before (a version's model is its
+    checkpoint's, linked). Returns the shards and this tree's hashes."""
+    shards, hashed = [], {}
     for src in source_files(src_dir):
         key = src.relative_to(src_dir).as_posix()
         with src.open("rb") as f:
-            sha256 = _read_sha256(f)
-            os.fsync(f.fileno())  # a no-op for a file already synced under another name
-            size = f.tell()
+            stat = os.fstat(f.fileno())
+            identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            if identity in hashed_before:  # synced too, when it was taken
+                hashed[identity] = hashed_before[identity]
+            elif identity not in hashed:
+                hashed[identity] = _read_sha256(f)
+                os.fsync(f.fileno())
         dst = dst_dir / key
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.link(src, dst)
-        shards.append(Shard(key=key, sha256=sha256, size_bytes=size))
-    return shards
+        shards.append(Shard(key=key, sha256=hashed[identity], size_bytes=stat.st_size))
+    return shards, hashed
 
 
 def check_shard(shard: Shard, size_bytes: int, sha256: str, what: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from jetroll.shared.store.base import LATEST, WeightStore, parse_number, version_name
 from jetroll.shared.store.files import (
     MANIFEST,
+    FileIdentity,
     Shard,
     copy_tree,
     take_tree,
@@ -36,6 +37,7 @@ class LocalWeightStore(WeightStore):
         self.checkpoints_dir = self.job_dir / "checkpoints"
         self.staging_dir = self.job_dir / STAGING
         self._staging_swept = False
+        self._taken: dict[FileIdentity, str] = {}  # the hashes of the last tree taken from staging
 
     def version_dir(self, version: int) -> Path:
         return self.weights_dir / version_name(version)
@@ -69,8 +71,10 @@ class LocalWeightStore(WeightStore):
             dst = self.job_dir / prefix
             shutil.rmtree(dst, ignore_errors=True)  # leftovers of a write that died before its manifest
             dst.mkdir(parents=True)
-            staged = src_dir.resolve().is_relative_to(self.staging_dir)
-            return take_tree(src_dir, dst) if staged else copy_tree(src_dir, dst)
+            if not src_dir.resolve().is_relative_to(self.staging_dir):
+                return copy_tree(src_dir, dst)
+            shards, self._taken = take_tree(src_dir, dst, self._taken)
+            return shards
 
         return await asyncio.to_thread(put)
 

@@ -21,7 +21,7 @@ GROUP = "router"
 
 
 def metric(job_id: str, step: int) -> MetricsEvent:
-    return MetricsEvent(job_id=job_id, service="test", name="x", value=float(step), step=step, time=0.0)
+    return MetricsEvent(job_id=job_id, service="test", values={"x": float(step)}, step=step, time=0.0)
 
 
 def run_with_bus(url: str, body: Callable[[RedisBus], Awaitable[None]], **kwargs: Any) -> None:
@@ -69,8 +69,7 @@ def test_bad_entries_go_to_dlq_and_consumer_goes_on(any_redis_url: str) -> None:
                 "schema": 99,
                 "job_id": bus.job_id,
                 "service": "s",
-                "name": "n",
-                "value": 1.0,
+                "values": {"n": 1.0},
                 "step": 0,
             }
         )

@@ -109,7 +109,7 @@ def test_bad_events_on_every_stream_are_dead_lettered(start_job: Callable[..., J
                 injected[client.xadd(key, {b"e": encode(event)}).decode()] = (stream, reason)
             garbage = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
             injected[client.xadd(key, {b"e": b"\xc1" + garbage}).decode()] = (stream, "undecodable event")
-            wrong_kind = MetricsEvent(job_id=job.job_id, service="test", name="x", value=1.0, step=0)
+            wrong_kind = MetricsEvent(job_id=job.job_id, service="test", values={"x": 1.0}, step=0)
             if stream != "metrics":
                 injected[client.xadd(key, {b"e": encode(wrong_kind)}).decode()] = (stream, "got a MetricsEvent")
         assert job.wait() == 0, job.report()

@@ -156,7 +156,8 @@ def test_worker_keeps_decoding_while_an_environment_hangs(
             metrics: dict[str, float] = {}
             while "pool/default/env_fail/timeout" not in metrics and time.monotonic() - started < 30:
                 _, events = await bus.tail("metrics", "0-0", block_ms=100, count=1000)  # sent after the trajectories
-                metrics = {e.name: e.value for e in events if isinstance(e, MetricsEvent)}
+                metrics = {name: value for e in events if isinstance(e, MetricsEvent)
+                           for name, value in e.values.items()}
             return arrivals, metrics
         finally:
             worker.cancel()

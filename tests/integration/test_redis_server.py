@@ -77,7 +77,7 @@ def test_backpressure_survives_a_restart_that_rewinds_a_groups_entries_read(redi
     server = RedisServer(redis_binary, data_dir=tmp_path / "redis").start()
     try:
         async def cycle(bus: RedisBus, n: int) -> None:
-            await bus.publish_many("traj:raw", [MetricsEvent(job_id=bus.job_id, service="t", name="x", value=1.0,
+            await bus.publish_many("traj:raw", [MetricsEvent(job_id=bus.job_id, service="t", values={"x": 1.0},
                                                              step=i, time=0.0) for i in range(n)])
             got = await bus.consume("traj:raw", "reward", "c", count=n, block_ms=100)
             await bus.ack("traj:raw", "reward", *(d.entry_id for d in got))

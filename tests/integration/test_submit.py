@@ -137,7 +137,7 @@ def test_controller_watcher_dead_letters_bad_jobs_and_runs_the_rest(jobs_redis: 
 
     unsupported = {"kind": "job", "job_id": "noschema", "schema": 99, "config": {}}
     for payload in (b"\x92not-an-event", msgspec.msgpack.encode(unsupported),
-                    encode(MetricsEvent(job_id="m", service="x", name="y", value=1.0, step=0)),
+                    encode(MetricsEvent(job_id="m", service="x", values={"y": 1.0}, step=0)),
                     job("badlr", trainer={"lr": -1}), job("mismatch", job_id="other"),
                     job("boom"), job("good1"), job("good2")):
         jobs_redis.xadd(JOBS.name, {FIELD: payload})

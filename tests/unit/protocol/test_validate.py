@@ -56,7 +56,7 @@ def test_valid_events_pass() -> None:
     weights = WeightsPublishedEvent(job_id="j", version=3, step=3, manifest_uri=URI, shard_sha256={"a": "0" * 64},
                                     size_bytes=10, precision_id="p")
     assert check_weights(weights, LIMITS, URI) is None
-    assert check_metrics(MetricsEvent(job_id="j", service="trainer", name="loss", value=1.0, step=3), LIMITS) is None
+    assert check_metrics(MetricsEvent(job_id="j", service="trainer", values={"loss": 1.0}, step=3), LIMITS) is None
 
 
 @pytest.mark.parametrize(("fields", "reason"), [
@@ -148,11 +148,14 @@ def test_attempts_count_reward_calls_and_a_failed_environment_makes_none() -> No
 
 def test_only_the_trainers_metric_steps_are_versions() -> None:
     def metric(service: str, step: int) -> MetricsEvent:
-        return MetricsEvent(job_id="j", service=service, name="x", value=float("nan"), step=step)
+        return MetricsEvent(job_id="j", service=service, values={"x": float("nan")}, step=step)
 
     assert check_metrics(metric("reward", 187), LIMITS) is None  # the router counts samples scored
     assert "step 11 of a trainer metric is outside 0..10" in (check_metrics(metric("trainer", 11), LIMITS) or "")
     assert "outside" in (check_metrics(metric("reward", -1), LIMITS) or "")
+    for values in ({}, {"": 1.0}):
+        event = MetricsEvent(job_id="j", service="trainer", values=values, step=1)
+        assert check_metrics(event, LIMITS) == "a metrics event without a service, values or a name"
 
 
 def test_expecting_refuses_other_kinds() -> None:
