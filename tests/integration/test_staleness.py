@@ -45,7 +45,7 @@ async def trainer_rows(bus: RedisBus) -> dict[int, dict[str, float]]:
     for _, fields in await bus.redis.xrange(bus.key("metrics")):
         event = decode(fields[b"e"])
         if event.service == "trainer":
-            rows.setdefault(event.step, {})[event.name] = event.value
+            rows.setdefault(event.step, {}).update(event.values)
     return rows
 
 
