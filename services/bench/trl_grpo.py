@@ -39,7 +39,7 @@ from jetroll.functions.runner import get_reward
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
-from jetroll.shared.rl.admission import Admission
+from jetroll.shared.rl.admission import Admission, admission_window
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import get_task
@@ -49,7 +49,7 @@ MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 def job_problems(config: JobConfig, num_groups: int) -> list[tuple[str, Problem]]:
     """The task names and problems of the job's groups 1 .. num_groups, drawn as its controller draws them."""
-    admission = Admission(config.trainer.groups_per_step, config.staleness.eta, config.trainer.max_steps,
+    admission = Admission(config.trainer.groups_per_step, admission_window(config), config.trainer.max_steps,
                           task_weights={t.name: t.weight for t in config.tasks})
     drawn = []
     for index in range(1, num_groups + 1):

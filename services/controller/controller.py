@@ -29,7 +29,7 @@ from jetroll.shared.protocol.validate import (
     check_weights,
     expecting,
 )
-from jetroll.shared.rl.admission import Admission, in_flight_caps
+from jetroll.shared.rl.admission import Admission, admission_window, in_flight_caps, in_flight_slack
 from jetroll.shared.store.base import WeightStore, WeightStoreError
 from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.registry import get_task
@@ -49,7 +49,7 @@ class Controller:
         self.store = store
         self.run_dir = run_dir
         trainer = config.trainer
-        self.admission = Admission(trainer.groups_per_step, config.staleness.eta, trainer.max_steps,
+        self.admission = Admission(trainer.groups_per_step, admission_window(config), trainer.max_steps,
                                    task_weights={t.name: t.weight for t in config.tasks},
                                    task_caps=in_flight_caps(config) if trainer.task_quotas else None)
         self.task_names = [t.name for t in config.tasks]
@@ -63,7 +63,7 @@ class Controller:
         self.sinks = MetricSinks(config, run_dir)
         self.ledger = Ledger(bus)
         self.dead_letters = DeadLetters(bus)
-        self.in_flight = InFlightIndex(bus)
+        self.in_flight = InFlightIndex(bus, in_flight_slack(config))
         self.version = 0
         self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
         self.datasets = {name: task.rows for name in self.task_names

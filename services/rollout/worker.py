@@ -34,6 +34,7 @@ from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, Traj
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, groups_stream
 from jetroll.shared.protocol.validate import EventLimits, check_group, expecting
+from jetroll.shared.rl.admission import in_flight_slack
 from jetroll.shared.store.base import WeightStore, WeightStoreError, encode_manifest
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import FlakyEnv, is_multi_turn
@@ -62,7 +63,7 @@ class RolloutWorker:
         self.consumer = consumer
         self.pool = config.rollout.pool(pool) if pool else config.rollout.pools[0]
         self.stream = groups_stream(self.pool.name)
-        self.in_flight = InFlightIndex(bus)
+        self.in_flight = InFlightIndex(bus, in_flight_slack(config))
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine_name = config.rollout.engine_of(self.pool)
@@ -213,12 +214,13 @@ class RolloutWorker:
                                                     count=num_groups,
                                                     block_ms=0 if engine.has_work or num_env_pending else 200,
                                                     check=is_group)
+                started = []
                 for delivery in deliveries:
                     assert isinstance(delivery.event, GroupEvent)  # `is_group` dead-lettered anything else
                     await self._start(delivery.event, delivery.entry_id)
-                if deliveries:
-                    # a group's oldest token is at least this version: the trainer's eta_hard wait goes by it
-                    await self.in_flight.started([d.event.group_id for d in deliveries], engine.version)
+                    started.append(delivery.event)
+                # a group's oldest token is at least this version: the trainer's eta_hard wait goes by it
+                await self.in_flight.started(started, engine.version)
             if not engine.has_work:
                 if num_env_pending:
                     assert self.turns is not None

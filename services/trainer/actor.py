@@ -48,7 +48,8 @@ class Actor:
         policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id, entropy_grad=cfg.entropy_coef > 0,
                              score_all=self.config.staleness.mode == "sync")
         advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
-        loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, version, self.config.staleness.eta_hard)
+        eta_hard = torch.tensor([2 * self.config.task_eta(task) for task in batch.tasks], device=self.device)
+        loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, version, eta_hard[:, None])
         stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self.lr(version)}
         if policy.logp is not None:  # with no signal at all there is nothing to step on (not even Adam's momentum)
             rows, width = policy.rows, policy.width

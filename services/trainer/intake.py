@@ -17,7 +17,7 @@ from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import TRAJ_SCORED
 from jetroll.shared.protocol.validate import EventLimits, check_scored, expecting
-from jetroll.shared.rl.admission import task_quotas
+from jetroll.shared.rl.admission import in_flight_slack, task_quotas
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup
 
 log = logging.getLogger("jetroll.trainer")
@@ -33,7 +33,7 @@ class Intake:
         self.consumer = consumer
         self.ledger = ledger
         self.version = version  # the trainer's current version
-        self.in_flight = InFlightIndex(bus)
+        self.in_flight = InFlightIndex(bus, in_flight_slack(config))
         self.buffer = GroupBuffer()
         self.quotas = task_quotas(config) if config.trainer.task_quotas else None
         # the groups of the step in progress and of the commit in the background, acked once recorded

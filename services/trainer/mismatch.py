@@ -51,7 +51,7 @@ class MismatchSampler:
         self.config = config
         # a sync step's tokens are all at the trainer's version, and the step scores every row (actor.py)
         self.share = config.precision.mismatch.sample if config.staleness.mode == "async" else 0.0
-        self.eta_hard = config.staleness.eta_hard
+        self.eta_hard = config.max_eta_hard
         self.kept_kv = not config.rollout.recompute_kv_on_swap
         self.last_version = config.trainer.max_steps - 1  # the last step's version: no later step scores its tokens
         self.model = model

@@ -122,5 +122,6 @@ class Trainer:
             stats, measure = self.actor.step(groups, self.version)
         trajectories = [e.trajectory for g in groups for e in g.events]
         per_task = {f"groups/{task}": float(sum(g.task == task for g in groups)) for task in self.task_names}
-        stats |= per_task | staleness_stats(trajectories, self.version, self.config.staleness.eta_hard)
+        eta_hard = {task: 2 * self.config.task_eta(task) for task in self.task_names}
+        stats |= per_task | staleness_stats(trajectories, self.version, eta_hard)
         return stats, measure

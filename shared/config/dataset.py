@@ -6,17 +6,16 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jetroll.shared.config.base import Strict
+from jetroll.shared.config.base import TaskMixEntry
 from jetroll.shared.tasks.dataset import DatasetTask
 
 
-class DatasetTaskConfig(Strict):
+class DatasetTaskConfig(TaskMixEntry):
     """A task read from a file (`kind: dataset`): prompts or chat messages, and answers, in JSONL or Parquet
     (Parquet needs the `data` extra), scored by a reward from the registry. See shared/tasks/dataset.py."""
 
     kind: Literal["dataset"] = Field(description="marks a task read from files (the other kind: `registered`)")
     name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
-    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
     path: str = Field(min_length=1, description="a .jsonl or .parquet file, or a directory of such shards (read "
                       "in name order)")
     prompt_field: str | None = Field("prompt", description="the row's prompt text (None: use messages_field)")

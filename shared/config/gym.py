@@ -6,17 +6,16 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from jetroll.shared.config.base import Strict
+from jetroll.shared.config.base import TaskMixEntry
 from jetroll.shared.config.faults import EnvFaults
 from jetroll.shared.tasks.gym_text import ADAPTERS, GymTask, gymnasium
 
 
-class GymTaskConfig(Strict):
+class GymTaskConfig(TaskMixEntry):
     """A registered gymnasium environment with a text adapter (`kind: gymnasium`; needs the `gym` extra)."""
 
     kind: Literal["gymnasium"] = Field(description="marks a gymnasium environment")
     name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
-    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
     env_id: str = Field("FrozenLake-v1", description=f"a gymnasium env id with a text adapter: {sorted(ADAPTERS)}")
     options: dict[str, Any] = Field(default_factory=dict, description="the text adapter's options (FrozenLake-v1: "
                                     "size, the map's side, 4 by default; frozen_prob, a cell's chance to be "

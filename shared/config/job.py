@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from jetroll.shared.config.base import Strict
+from jetroll.shared.config.base import Strict, TaskMixEntry
 from jetroll.shared.config.dataset import DatasetTaskConfig, dataset_task
 from jetroll.shared.config.faults import EnvFaults
 from jetroll.shared.config.gym import GymTaskConfig, gym_task
@@ -27,13 +27,12 @@ from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.errors import ConfigError
 
 
-class TaskWeight(Strict):
+class TaskWeight(TaskMixEntry):
     """A registered task in the mix (`kind: registered`, the default)."""
 
     kind: Literal["registered"] = Field("registered", description="a task jetroll registers by name (the default "
                                         "kind; `dataset`: a task read from files; `gymnasium`: an environment)")
     name: str = Field(description="a registered task name (see jetroll.shared.tasks.registry.TASKS)")
-    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
     env_faults: EnvFaults | None = Field(None, description="a multi-turn task's environment made slow and flaky on "
                                          "purpose: {delay_s, failure_rate}")
 
@@ -88,6 +87,16 @@ class JobConfig(Strict):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
+    def task_eta(self, task: str) -> int:
+        """`task`'s staleness bound eta: its own `max_staleness` (async jobs only), else the job's."""
+        own = next(entry.max_staleness for entry in self.tasks if entry.name == task)
+        return self.staleness.eta if own is None else own
+
+    @property
+    def max_eta_hard(self) -> int:
+        """The largest lag any trained token may have: twice the largest task's eta."""
+        return 2 * max(self.task_eta(entry.name) for entry in self.tasks)
+
     def env_faults(self, task: str) -> EnvFaults | None:
         """The faults injected into `task`'s environments (`tasks[].env_faults`), if any."""
         for entry in self.tasks:
@@ -133,6 +142,9 @@ class JobConfig(Strict):
             faulty = isinstance(task, TaskWeight | GymTaskConfig) and task.env_faults is not None
             if faulty and not is_multi_turn(TASKS[task.name]):
                 raise ValueError(f"tasks.{i}.env_faults: task {task.name!r} has no environment to make flaky")
+            if task.max_staleness is not None and self.staleness.mode == "sync":
+                raise ValueError(f"tasks.{i}.max_staleness: a task's own staleness bound needs staleness.mode "
+                                 "async (a sync job trains every token at the version that sampled it)")
         for pool in self.rollout.pools:
             if (pool.max_batch or self.rollout.max_batch) < self.trainer.group_size:
                 raise ValueError(f"rollout.max_batch (or pool {pool.name}'s max_batch) must be >= "

@@ -7,17 +7,16 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from jetroll.shared.config.base import Strict
+from jetroll.shared.config.base import TaskMixEntry
 from jetroll.shared.tasks.reasoning import ReasoningGymTask, reasoning_gym
 
 
-class ReasoningGymTaskConfig(Strict):
+class ReasoningGymTaskConfig(TaskMixEntry):
     """A reasoning-gym dataset (`kind: reasoning_gym`; needs the `reasoning` extra), scored by its own
     `score_answer`. Its prompts are English with capitals: the model needs a byte-level tokenizer."""
 
     kind: Literal["reasoning_gym"] = Field(description="marks a reasoning-gym dataset")
     name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
-    weight: float = Field(1.0, gt=0, description="relative sampling weight in the task mix")
     dataset: str = Field(min_length=1, description="a reasoning-gym dataset name (leg_counting, basic_arithmetic, "
                          "...), as `reasoning_gym.create_dataset` takes it")
     options: dict[str, Any] = Field(default_factory=dict, description="the dataset's config (its difficulty)")

@@ -1,4 +1,5 @@
-"""Admission control: a group is admitted only while admitted <= (v + eta + 1) * B (dropped groups excluded)."""
+"""Admission control: a group is admitted only while admitted <= v * B + the window (dropped groups excluded). The
+window is (eta + 1) * B, plus, for each task with a larger eta of its own, its share of B for each version more."""
 
 from __future__ import annotations
 
@@ -29,10 +30,25 @@ def task_quotas(config: JobConfig) -> dict[str, int]:
 
 
 def in_flight_caps(config: JobConfig) -> dict[str, int]:
-    """Groups of each task admitted but not yet trained: its weight share of the (eta + 1) * B window, so a slow
-    task's backlog never fills the window and starves the others' rollout pools."""
-    window = (config.staleness.eta + 1) * config.trainer.groups_per_step
-    return {name: math.ceil(share * window) for name, share in task_shares(config).items()}
+    """Groups of each task admitted but not yet trained: its weight share of B for each of its eta + 1 versions, so
+    a slow task's backlog never fills the window and starves the others' rollout pools."""
+    size = config.trainer.groups_per_step
+    return {name: math.ceil(share * (config.task_eta(name) + 1) * size) for name, share in task_shares(config).items()}
+
+
+def admission_window(config: JobConfig) -> int:
+    """Groups admitted beyond those trained: (eta + 1) * B, and for a task with a larger eta of its own, its share of
+    B for each version more, so that its longer-lived groups do not take the others' room."""
+    size, eta = config.trainer.groups_per_step, config.staleness.eta
+    extra = sum(math.ceil(share * max(0, config.task_eta(name) - eta) * size)
+                for name, share in task_shares(config).items())
+    return (eta + 1) * size + extra
+
+
+def in_flight_slack(config: JobConfig) -> dict[str, int]:
+    """What the in-flight index adds to a task's groups' scores: its eta_hard minus the job's, so that the trainer's
+    one query at the job's eta_hard finds each group when its own task's bound is due (protocol/in_flight.py)."""
+    return {entry.name: 2 * config.task_eta(entry.name) - config.staleness.eta_hard for entry in config.tasks}
 
 
 @dataclass(slots=True)
@@ -40,7 +56,7 @@ class Admission:
     """The bound on admitted groups, and what each group draws."""
 
     groups_per_step: int
-    eta: int
+    window: int  # groups admitted beyond the trained ones (`admission_window`)
     max_steps: int
     num_admitted: int = 0
     num_dropped: int = 0
@@ -49,7 +65,7 @@ class Admission:
 
     def num_allowed(self, version: int) -> int:
         """How many more groups may be admitted now that the trainer is at `version`."""
-        bound = (version + self.eta + 1) * self.groups_per_step
+        bound = version * self.groups_per_step + self.window
         total = self.max_steps * self.groups_per_step
         live = self.num_admitted - self.num_dropped
         return max(0, min(bound, total) - live)

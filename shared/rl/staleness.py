@@ -1,7 +1,8 @@
 """Per-step staleness metrics (docs/architecture.md, "Staleness and versions"), from the trajectories of one step.
 
 Token lag = the trainer's version at the consuming step - v_tok; a trajectory's lag is its largest token lag over
-policy tokens (loss_mask = 1). Tokens with lag > eta_hard are masked from the loss and counted here.
+policy tokens (loss_mask = 1). Tokens with lag > eta_hard (their task's, `tasks[].max_staleness`) are masked from the
+loss and counted here.
 
   lag_mean, lag_p50, lag_max         per-trajectory lag over the batch (and per task: `lag_mean/<task>` ...)
   lag_hist/<k>                       trajectories with lag k (summed over steps: the lag histogram of a run)
@@ -14,6 +15,7 @@ policy tokens (loss_mask = 1). Tokens with lag > eta_hard are masked from the lo
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -21,7 +23,9 @@ import torch
 from jetroll.shared.protocol.events import TrajectoryEvent
 
 
-def staleness_stats(trajectories: list[TrajectoryEvent], version: int, eta_hard: int) -> dict[str, float]:
+def staleness_stats(trajectories: list[TrajectoryEvent], version: int,
+                    eta_hard: Mapping[str, int]) -> dict[str, float]:
+    """The step's staleness metrics; `eta_hard` by task."""
     lags, by_task = [], defaultdict(list)
     num_tokens = num_masked = num_mixed_tokens = num_mixed = 0
     lag_sum = 0
@@ -33,7 +37,7 @@ def staleness_stats(trajectories: list[TrajectoryEvent], version: int, eta_hard:
         by_task[traj.task].append(lag)
         num_tokens += token_lag.size
         lag_sum += int(token_lag.sum())
-        num_masked += int((token_lag > eta_hard).sum())
+        num_masked += int((token_lag > eta_hard[traj.task]).sum())
         if token_lag.size and v_tok.min() != v_tok.max():
             num_mixed += 1
             num_mixed_tokens += token_lag.size
@@ -58,9 +62,10 @@ def _lag_summary(lags: list[int], suffix: str) -> dict[str, float]:
             f"lag_max{suffix}": float(values.max())}
 
 
-def fresh_tokens(loss_mask: torch.Tensor, v_tok: torch.Tensor, version: int, eta_hard: int) -> torch.Tensor:
-    """The loss mask without the tokens more than eta_hard versions old: the last resort of the staleness bound
-    (staleness_stats counts them)."""
+def fresh_tokens(loss_mask: torch.Tensor, v_tok: torch.Tensor, version: int,
+                 eta_hard: int | torch.Tensor) -> torch.Tensor:
+    """The loss mask without the tokens more than eta_hard versions old (one bound, or one per row [B, 1]): the last
+    resort of the staleness bound (staleness_stats counts them)."""
     lag = (version - v_tok) * loss_mask.long()
     is_too_stale = (lag > eta_hard) & (loss_mask > 0)
     return loss_mask * (~is_too_stale)

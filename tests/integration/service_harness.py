@@ -56,10 +56,11 @@ def job_config(model_dir: Path, run_dir: Path, **sections: Any) -> JobConfig:
     return validate_config(tree)
 
 
-def scored_sample(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int]) -> ScoredEvent:
+def scored_sample(job_id: str, group: str, sample: int, v_adm: int, v_tok: list[int],
+                  task: str = "arithmetic") -> ScoredEvent:
     n = len(v_tok)
     traj = make_trajectory(f"{group}:{sample}", [8 + (i + sample) % 10 for i in range(n)], job_id=job_id,
-                           prompt_ids=[5, 6, 7], behavior_logprobs=-3.0, v_tok=v_tok, v_adm=v_adm)
+                           prompt_ids=[5, 6, 7], behavior_logprobs=-3.0, v_tok=v_tok, v_adm=v_adm, task=task)
     return scored(traj, float(sample))
 
 

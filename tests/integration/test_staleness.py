@@ -32,9 +32,11 @@ from jetroll.shared.protocol.events import (
     WeightsPublishedEvent,
     decode,
 )
+from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import IN_FLIGHT
 from jetroll.shared.protocol.validate import EventLimits
+from jetroll.shared.rl.admission import in_flight_slack
 from jetroll.shared.store import setup_store
 
 pytestmark = pytest.mark.integration
@@ -112,6 +114,80 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
     if engine == "real":  # the loss saw only the tokens within eta_hard
         assert rows[6]["num_tokens"] == rows[6]["num_policy_tokens"] - 4
         assert rows[3]["num_tokens"] == rows[3]["num_policy_tokens"]
+
+
+@pytest.mark.parametrize("count_eta", [None, 3], ids=["the-jobs-bound", "its-own-bound"])
+def test_a_slow_task_with_its_own_staleness_bound_neither_stalls_the_trainer_nor_loses_its_tokens(
+    count_eta: int | None, model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """eta = 1 (eta_hard 2), B = 1 group of 2; the test plays controller (admitting through the in-flight index as
+    the controller does) and reward router. count's g1 (v_adm 0) is slow: one sample at once, the other once the
+    trainer has reached v4 or has stood still for half a second. arithmetic's g2..g6 come one version apart.
+    Under the job's bound the trainer stalls at v2 for g1 (as above); with `max_staleness: 3` (eta_hard 6) it trains
+    the arithmetic groups meanwhile and g1 at step 5 with its lag-4 tokens kept."""
+    config = job_config(model_dir, tmp_path, trainer={"max_steps": 6, "groups_per_step": 1, "group_size": 2,
+                                                      "task_quotas": False},  # oldest v_adm first, whatever the task
+                        staleness={"max_staleness": 1},
+                        tasks=[{"name": "arithmetic"}, {"name": "count", "max_staleness": count_eta}])
+    job = config.job_id
+    tasks = {"g1": "count", **{f"g{i}": "arithmetic" for i in range(2, 7)}}
+    v_adm = {"g1": 0, **{f"g{i}": i - 2 for i in range(2, 7)}}
+
+    async def scenario() -> tuple[dict[int, dict[str, float]], int]:
+        bus = RedisBus(redis_url, job)
+        trainer = Trainer(config, bus, setup_store(config.store, job, tmp_path), "trainer")
+        task = asyncio.create_task(trainer.run())
+        arithmetic: asyncio.Task[None] | None = None
+        try:
+            admitted = [GroupEvent(job_id=job, group_id=g, task=t, pool="default", prompt="", answer="",
+                                   prompt_ids=Array.of([5, 6, 7], "<i4"), group_size=2, max_new_tokens=8,
+                                   v_adm=v_adm[g]) for g, t in tasks.items()]
+            await InFlightIndex(bus, in_flight_slack(config)).admit(admitted, num_admitted=0, num_indices=6)
+
+            async def reached(version: int) -> bool:
+                latest = await trainer.store.latest()
+                return latest is not None and latest >= version
+
+            async def publish_arithmetic() -> None:
+                for group in [g for g, t in tasks.items() if t == "arithmetic"]:
+                    version = v_adm[group]  # a token of version v exists only once v is published
+                    await until(lambda v=version: reached(v), task, f"v{version}")
+                    await bus.publish_many("traj:scored", [scored_sample(job, group, i, version, [version] * 2)
+                                                           for i in range(2)])
+
+            await until(lambda: reached(0), task, "v0")
+            await bus.publish("traj:scored", scored_sample(job, "g1", 0, 0, [0, 0], task="count"))
+            arithmetic = asyncio.create_task(publish_arithmetic())
+            last_change, seen = time.monotonic(), trainer.version
+            while trainer.version < 4 and time.monotonic() - last_change < 0.5:
+                await asyncio.sleep(0.01)
+                if trainer.version != seen:
+                    last_change, seen = time.monotonic(), trainer.version
+            version_when_late = trainer.version
+            await bus.publish("traj:scored", scored_sample(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2], task="count"))
+            await asyncio.wait_for(task, timeout=60)
+            return await trainer_rows(bus), version_when_late
+        finally:
+            if arithmetic is not None:
+                await stop(arithmetic)
+            await stop(task)
+            await bus.close()
+
+    rows, version_when_late = asyncio.run(scenario())
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ledger = {k.decode(): json.loads(v)["step"] for k, v in client.hgetall(f"jetroll:{job}:ledger").items()}
+    finally:
+        client.close()
+    if count_eta is None:
+        assert version_when_late == 2 and ledger["g1"] == 3  # stalled at v2 for g1, which trained at lag 2
+        assert rows[3]["stale_wait_s"] >= 0.4 and rows[3]["lag_max/count"] == 2
+    else:
+        assert version_when_late == 4 and ledger["g1"] == 5  # the arithmetic groups trained meanwhile
+        assert all(row["stale_wait_s"] == 0 for row in rows.values())
+        assert rows[5]["lag_max/count"] == 4 and rows[5]["stale_masked_tokens"] == 0  # past the job's 2, kept
+        assert rows[5]["num_tokens"] == rows[5]["num_policy_tokens"]
+    assert sorted(ledger.values()) == [1, 2, 3, 4, 5, 6]
 
 
 def test_bound_holds_end_to_end(model_dir: Path, redis_url: str, tmp_path: Path) -> None:

@@ -13,7 +13,13 @@ from jetroll.services.controller.routing import route_tasks, task_profile
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import build_char_tokenizer
-from jetroll.shared.rl.admission import Admission, in_flight_caps, task_quotas
+from jetroll.shared.rl.admission import (
+    Admission,
+    admission_window,
+    in_flight_caps,
+    in_flight_slack,
+    task_quotas,
+)
 from jetroll.shared.rl.batch import GroupBuffer
 
 MIX = ["tasks=[{name: arithmetic, weight: 3}, {name: count, weight: 1}]", "trainer.groups_per_step=4"]
@@ -31,6 +37,25 @@ def test_quotas_follow_the_weights_and_sum_to_b() -> None:
     assert in_flight_caps(config) == {"arithmetic": 9, "count": 3}  # shares of (eta 2 + 1) * 4
     odd = load_config(None, ["tasks=[{name: arithmetic}, {name: count}]", "trainer.groups_per_step=5"])
     assert sum(task_quotas(odd).values()) == 5
+
+
+def test_a_task_with_its_own_staleness_bound_gets_its_room_and_its_slack() -> None:
+    """count (a quarter of B = 4) keeps eta 6 against the job's 2: its cap is its share of 7 versions of B, the
+    window grows by its share of the 4 versions more, and its in-flight scores sit 8 versions later (eta_hard 12
+    against 4), so the trainer's one query at the job's eta_hard finds its groups 8 versions later."""
+    config = load_config(None, ["tasks=[{name: arithmetic, weight: 3}, {name: count, weight: 1, max_staleness: 6}]",
+                                "trainer.groups_per_step=4"])
+    assert [config.task_eta(t) for t in ("arithmetic", "count")] == [2, 6] and config.max_eta_hard == 12
+    assert in_flight_caps(config) == {"arithmetic": 9, "count": 7}
+    assert admission_window(config) == 12 + 4  # (2 + 1) * 4, and count's quarter of 4 more versions of 4
+    assert in_flight_slack(config) == {"arithmetic": 0, "count": 8}
+    plain = load_config(None, MIX)
+    assert admission_window(plain) == 12 and in_flight_slack(plain) == {"arithmetic": 0, "count": 0}
+    sync = load_config(None, ["tasks=[{name: arithmetic}, {name: count}]", "staleness.mode=sync"])
+    assert sync.task_eta("count") == 0 and admission_window(sync) == sync.trainer.groups_per_step
+    with pytest.raises(ConfigError, match="tasks.1.max_staleness: a task's own staleness bound needs staleness.mode "
+                                          "async"):
+        load_config(None, ["tasks=[{name: arithmetic}, {name: count, max_staleness: 6}]", "staleness.mode=sync"])
 
 
 def test_take_gives_each_task_its_quota_before_the_oldest_rest() -> None:
@@ -61,12 +86,12 @@ def test_required_groups_still_come_first_with_quotas() -> None:
 
 
 def test_admission_skips_a_task_at_its_cap() -> None:
-    admission = Admission(4, 2, 100, task_weights={"arithmetic": 1.0, "count": 1.0},
+    admission = Admission(4, 12, 100, task_weights={"arithmetic": 1.0, "count": 1.0},
                           task_caps={"arithmetic": 6, "count": 6})
     rng = random.Random(0)
     assert {admission.pick_task({"count": 6}, rng) for _ in range(50)} == {"arithmetic"}
     assert admission.pick_task({"count": 6, "arithmetic": 6}, rng) is None
-    uncapped = Admission(4, 2, 100, task_weights={"arithmetic": 1.0, "count": 1.0})
+    uncapped = Admission(4, 12, 100, task_weights={"arithmetic": 1.0, "count": 1.0})
     assert {uncapped.pick_task({"count": 60}, rng) for _ in range(50)} == {"arithmetic", "count"}
 
 

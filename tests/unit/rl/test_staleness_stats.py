@@ -24,7 +24,7 @@ def test_staleness_stats_lags_masks_and_histogram() -> None:
         trajectory("g2", 0, [1, 1, 2, 2], task="other"),  # lags 4, 4, 3, 3: all beyond eta_hard 2
         trajectory("g2", 1, [0, 5], loss_mask=[0, 1], task="other"),  # the env token (mask 0) does not count
     ]
-    stats = staleness_stats(trajectories, version=5, eta_hard=2)
+    stats = staleness_stats(trajectories, version=5, eta_hard={"arithmetic": 2, "other": 2})
     assert stats["lag_max"] == 4 and stats["lag_mean"] == pytest.approx((0 + 2 + 4 + 0) / 4)
     assert stats["lag_hist/0"] == 2 and stats["lag_hist/2"] == 1 and stats["lag_hist/4"] == 1
     assert stats["stale_masked_tokens"] == 4  # v_tok 1, 1 (lag 4) and 2, 2 (lag 3)
@@ -33,6 +33,8 @@ def test_staleness_stats_lags_masks_and_histogram() -> None:
     assert stats["mixed_version_token_frac"] == pytest.approx(7 / 11)
     assert stats["token_lag_mean"] == pytest.approx((0 + 3 + 14 + 0) / 11)
     assert stats["lag_max/arithmetic"] == 2 and stats["lag_max/other"] == 4 and stats["lag_p50/other"] == 2
+    # a task with its own, larger bound: its lag-3 and lag-4 tokens are kept
+    assert staleness_stats(trajectories, version=5, eta_hard={"arithmetic": 2, "other": 4})["stale_masked_tokens"] == 0
 
 
 def test_take_oldest_waits_for_a_required_group() -> None:
@@ -78,7 +80,7 @@ def test_a_batch_is_in_admission_order_whatever_the_order_rewards_came_back() ->
 
 
 def test_admission_bound() -> None:
-    admission = Admission(groups_per_step=4, eta=2, max_steps=10)
+    admission = Admission(groups_per_step=4, window=12, max_steps=10)
     assert admission.num_allowed(0) == 12  # (0 + 2 + 1) * 4
     admission.num_admitted, admission.num_dropped = 12, 1
     assert admission.num_allowed(0) == 1 and admission.num_allowed(1) == 5
