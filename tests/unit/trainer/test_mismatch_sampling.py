@@ -53,7 +53,8 @@ def test_the_sampled_share_of_rows_is_scored_at_the_version_that_sampled_it(
 
 def test_each_task_reports_its_own_mismatch(model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None) -> None:
     """Tasks differ in output length, and so in mismatch: each reports its own k3 and |delta logp| over its rows."""
-    trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"mismatch": {"sample": 1.0}})
+    trainer = make_trainer(model_dir, tmp_path, redis_url, precision={"mismatch": {"sample": 1.0}},
+                           tasks=[{"name": "arithmetic"}, {"name": "count32"}])
     events = events_with_ratios(trainer)  # mu from version 0's weights
     events[4:] = [msgspec.structs.replace(e, trajectory=msgspec.structs.replace(e.trajectory, task="count32"))
                   for e in events[4:]]  # the second group

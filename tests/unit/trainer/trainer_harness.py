@@ -32,13 +32,13 @@ PROMPTS = ("12+34=", "7-5=")
 
 
 def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, job_id: str | None = None,
-                 **sections: dict[str, Any]) -> Trainer:
+                 **sections: Any) -> Trainer:
     """A real Trainer on the tiny model; the step under test never touches its bus or store."""
     tree: dict[str, Any] = {"job_id": job_id or f"t{uuid.uuid4().hex[:8]}", "trainer": {"group_size": 4},
                             "model": {**TINY.model_dump(), "path": str(model_dir)},
                             "store": {"root": str(run_dir / "store")}, "precision": {"mismatch": NO_MISMATCH_GATES}}
     for name, fields in sections.items():
-        tree[name] = {**tree.get(name, {}), **fields}
+        tree[name] = {**tree.get(name, {}), **fields} if isinstance(fields, dict) else fields
     config = validate_config(tree)
     bus = RedisBus(redis_url, config.job_id, claim_idle_ms=config.redis.claim_idle_ms)
     return Trainer(config, bus, setup_store(config.store, config.job_id, run_dir), "trainer")
