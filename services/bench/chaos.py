@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from jetroll.services.bench.processes import processes, stop_like_ctrl_c
+from jetroll.services.bench.resume import claim_run_dir
 from jetroll.services.bench.store import moto_server
 from jetroll.services.bench.tcp_proxy import TcpProxy
 from jetroll.shared.config.job import JobConfig, load_config
@@ -85,7 +86,8 @@ def run_chaos_bench(seed: int = 0, run_dir: Path | None = None, overrides: list[
     for out, with_faults in ((root / f"seed{seed}", True),
                              *((root / f"seed{seed}-fault-free{i}", False) for i in range(fault_free))):
         if not (out / "row.json").exists():
-            _claim(root, extra, outage_s)
+            claim_run_dir(root, {"config": CONFIG.read_text(), "overrides": list(extra), "outage_s": outage_s},
+                          "chaos")
             run_one(config, seed, out, extra, outage_s, s3_endpoint, with_faults)
         rows.append(json.loads((out / "row.json").read_text()))
     result = {"config": {"config": str(CONFIG), "overrides": extra, "seed": seed, "outage_s": outage_s,
@@ -94,16 +96,6 @@ def run_chaos_bench(seed: int = 0, run_dir: Path | None = None, overrides: list[
         mean = sum(r["accuracy_after"] for r in rows[1:]) / fault_free
         result["summary"] = {"fault_free_mean": mean, "faulted_minus_mean": rows[0]["accuracy_after"] - mean}
     return result
-
-
-def _claim(run_dir: Path, overrides: list[str], outage_s: float) -> None:
-    """Pin the run dir to one config, so a resumed bench never mixes runs."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "bench_config.json"
-    tree = {"config": CONFIG.read_text(), "overrides": list(overrides), "outage_s": outage_s}
-    if path.exists() and json.loads(path.read_text()) != tree:
-        raise ConfigError(f"{run_dir} holds chaos-bench runs of another config ({path}); pass a new --run-dir")
-    path.write_text(json.dumps(tree, indent=2))
 
 
 def run_one(config: JobConfig, seed: int, out: Path, overrides: list[str], outage_s: float,

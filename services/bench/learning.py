@@ -17,11 +17,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.bench.processes import stop_like_ctrl_c
+from jetroll.services.bench.processes import run_job
+from jetroll.services.bench.resume import claim_run_dir
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
@@ -67,7 +67,7 @@ def run_learning_bench(seeds: str = "3", kernels: str = "avx2,native", run_dir: 
     run_dir = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve()
     extra = [*overrides, *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
     load_config(CONFIG, extra)  # a bad override fails here, before any cell runs
-    _claim(run_dir, extra)
+    claim_run_dir(run_dir, {"config": CONFIG.read_text(), "overrides": extra}, "learning")
     rows = []
     for cell in cells(seed_list, names):
         out = run_dir / f"{cell['kernel']}-s{cell['seed']}-w{cell['warm_start_seed']}"
@@ -79,16 +79,6 @@ def run_learning_bench(seeds: str = "3", kernels: str = "avx2,native", run_dir: 
               "versions": library_versions(), "rows": rows, "summary": summary(rows)}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def _claim(run_dir: Path, overrides: list[str]) -> None:
-    """Pin the run dir to one config and one code version's overrides, so a resumed bench never mixes runs."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "bench_config.json"
-    tree = {"config": CONFIG.read_text(), "overrides": list(overrides)}
-    if path.exists() and json.loads(path.read_text()) != tree:
-        raise ConfigError(f"{run_dir} holds learning-bench runs of another config ({path}); pass a new --run-dir")
-    path.write_text(json.dumps(tree, indent=2))
 
 
 def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
@@ -105,15 +95,7 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
                                 env=env, capture_output=True, text=True, check=True).stdout.strip()
     print(f"bench learning: {out.name} ...", file=sys.stderr, flush=True)
     commit = jetroll_commit()  # the code the cell's job starts with
-    started = time.perf_counter()
-    with open(out / "job.log", "wb") as log:
-        job = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            code = job.wait()
-        except BaseException:  # interrupted: let the job stop its services and Redis before it goes
-            stop_like_ctrl_c(job)
-            raise
-    wall_s = time.perf_counter() - started
+    code, wall_s = run_job(command, env, out / "job.log")
     if code != 0:
         raise RuntimeError(f"bench learning cell {out.name} failed (exit {code}); see {out / 'job.log'}")
     row = read_cell(cell, out, wall_s) | {"cpu_capability": capability, "commit": commit}

@@ -30,6 +30,7 @@ from typing import Any
 
 from jetroll.services.bench.learning import KERNELS, parse_seeds
 from jetroll.services.bench.processes import descendants, processes, stop_like_ctrl_c
+from jetroll.services.bench.resume import claim_run_dir
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
 from jetroll.shared.errors import ConfigError, WarmStartError
@@ -96,7 +97,7 @@ def run_peers_bench(steps: int | None = None, seeds: str = "2", kernels: str = "
     run_dir = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve()
     settings = {"overrides": job.overrides, "eval_every": eval_every, "eval_problems": eval_problems,
                 "trl_threads": threads, "probe_steps": probe_steps, "thresholds": list(levels)}
-    _claim(run_dir, job.path, settings)
+    claim_run_dir(run_dir, {"config": job.path.read_text(), **settings}, "peers", "other settings")
     rows, probes = [], {}
     for kernel in names:
         kernel_dir = run_dir / kernel
@@ -115,16 +116,6 @@ def run_peers_bench(steps: int | None = None, seeds: str = "2", kernels: str = "
               "summary": summary(rows, names, levels, is_default_job=job.path == CONFIG.resolve())}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def _claim(run_dir: Path, config_path: Path, settings: dict[str, Any]) -> None:
-    """Pin the run dir to one config and its settings, so a resumed bench never mixes runs."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "bench_config.json"
-    tree = {"config": config_path.read_text(), **settings}
-    if path.exists() and json.loads(path.read_text()) != tree:
-        raise ConfigError(f"{run_dir} holds peers-bench runs of other settings ({path}); pass a new --run-dir")
-    path.write_text(json.dumps(tree, indent=2))
 
 
 def kernel_env(kernel: str, kernel_dir: Path) -> dict[str, str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jetroll.services.bench.async_ import launch_job
+from jetroll.services.bench.resume import claim_run_dir
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.trainer.mismatch import Growth, k3_growth
 from jetroll.shared.config.job import JobConfig, load_config
@@ -53,7 +54,8 @@ def run_precision_bench(num_seeds: int, run_dir: Path, max_steps: int | None = N
         raise ConfigError(f"unknown precision-bench arm(s) {unknown}; the arms are {list(ARMS)}")
     run_dir.mkdir(parents=True, exist_ok=True)
     base = load_config(CONFIG, [*overrides, *([f"trainer.max_steps={max_steps}"] if max_steps else [])])
-    _claim(run_dir, base.model_dump(mode="json", exclude={"job_id"}))  # each run gets its own job_id
+    # each run gets its own job_id
+    claim_run_dir(run_dir, base.model_dump(mode="json", exclude={"job_id"}), "precision")
     model_path = str(Path(ensure_base_model(base.model)).resolve())
     runs = []
     server = None
@@ -80,14 +82,6 @@ def run_precision_bench(num_seeds: int, run_dir: Path, max_steps: int | None = N
     result["plot"] = str(run_dir / "precision.png")
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def _claim(run_dir: Path, tree: dict[str, Any]) -> None:
-    """Pin the run dir to one bench config, so a resumed bench never mixes runs of different configs."""
-    path = run_dir / "bench_config.json"
-    if path.exists() and json.loads(path.read_text()) != tree:
-        raise ConfigError(f"{run_dir} holds precision-bench runs of another config ({path}); pass a new --run-dir")
-    path.write_text(json.dumps(tree, indent=2))
 
 
 def run_one(tree: dict[str, Any], name: str, seed: int, model_path: str, out: Path, redis_url: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,3 +68,17 @@ def stop_like_ctrl_c(job: subprocess.Popen, timeout_s: float = 60.0) -> None:
         job.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         job.kill()
+
+
+def run_job(command: list[str], env: dict[str, str], log_path: Path) -> tuple[int, float]:
+    """A job in a subprocess, its output to `log_path`: (its exit code, its wall seconds). Interrupted, it is stopped
+    like Ctrl-C first, so its services and Redis go with it."""
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        job = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = job.wait()
+        except BaseException:
+            stop_like_ctrl_c(job)
+            raise
+    return code, time.perf_counter() - started
