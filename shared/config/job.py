@@ -156,13 +156,25 @@ class JobConfig(Strict):
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    """`a.b=c`; a number after a list names its element (`tasks.1.weight=2`)."""
     keys = dotted.split(".")
-    node = tree
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
-    node[keys[-1]] = yaml.safe_load(raw)
+    node: Any = tree
+    for depth, key in enumerate(keys):
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"--set {dotted}: {'.'.join(keys[:depth])} is a list of {len(node)}; "
+                                  f"{key!r} is not an index in it")
+            index: int | str = int(key)
+        elif isinstance(node, dict):
+            index = key
+        else:
+            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:depth])!r} is not a section")
+        if depth == len(keys) - 1:
+            node[index] = yaml.safe_load(raw)
+        elif isinstance(node, dict):
+            node = node.setdefault(key, {})
+        else:
+            node = node[index]
 
 
 def _one_line(err: ValidationError) -> str:

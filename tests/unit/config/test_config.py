@@ -119,6 +119,17 @@ def test_override_through_a_scalar() -> None:
     assert "precision.mode.x" in _error(["precision.mode.x=1"])
 
 
+def test_an_override_names_a_list_element_by_its_index(tmp_path: Path) -> None:
+    path = tmp_path / "two.yaml"
+    path.write_text("tasks: [{name: arithmetic, weight: 1.0}, {name: calculator, weight: 1.0,"
+                    " env_faults: {delay_s: 0.2}}]\n")
+    config = load_config(path, ["tasks.0.weight=3", "tasks.1.env_faults=null"])
+    assert [(t.name, t.weight, t.env_faults) for t in config.tasks] == [("arithmetic", 3.0, None),
+                                                                           ("calculator", 1.0, None)]
+    assert "tasks is a list of 2; '2' is not an index in it" in _error(["tasks.2.weight=1"], path)
+    assert "tasks is a list of 2; 'first' is not an index in it" in _error(["tasks.first.weight=1"], path)
+
+
 @pytest.mark.parametrize(("overrides", "fields"), [
     (["rollout.max_batch=2"], ["rollout.max_batch", "trainer.group_size"]),
     (["model.num_heads=3"], ["model.hidden_size", "model.num_heads"]),
