@@ -52,7 +52,9 @@ class MetricsBook:
 
     def _service_columns(self) -> dict[str, float]:
         """What other services report, per step: rollout slot-seconds busy and available (cumulative over workers)
-        with the idle fraction since the last row; the reward router's timed-out and failed attempts (cumulative)."""
+        with the idle fraction since the last row; the reward router's timed-out and failed attempts (cumulative);
+        per pool, its throughput and its environments' failures (trajectories by final status, calls by status with
+        retried ones), episodes and mean set-up share (a reset's time over its episode's, by how episodes ended)."""
         def total(suffix: str) -> float:
             return sum(v for k, v in self.latest.items() if k.endswith(suffix))
 
@@ -63,8 +65,14 @@ class MetricsBook:
         idle = min(1.0, max(0.0, 1.0 - new_busy / new_slots)) if new_slots > 0 else float("nan")
         per_pool = {}
         for pool in sorted({key.split("/pool/", 1)[1].split("/", 1)[0] for key in self.latest if "/pool/" in key}):
-            for name in ("tokens_per_s", "num_trajectories"):
+            names = {key.split(f"/pool/{pool}/", 1)[1] for key in self.latest if f"/pool/{pool}/" in key}
+            for name in sorted(n for n in names if n in ("tokens_per_s", "num_trajectories")
+                               or n.startswith(("env_fail/", "env_failed_calls/", "env_episodes/"))):
                 per_pool[f"pool/{pool}/{name}"] = total(f"/pool/{pool}/{name}")
+            for name in sorted(n for n in names if n.startswith("env_setup_share_sum/")):
+                ended = name.split("/", 1)[1]
+                episodes = total(f"/pool/{pool}/env_episodes/{ended}")
+                per_pool[f"pool/{pool}/env_setup_share/{ended}"] = total(f"/pool/{pool}/{name}") / max(episodes, 1)
         return {"rollout_busy_slot_s": busy, "rollout_slot_s": slots, "rollout_idle_frac": idle,
                 "reward_timeouts": total("/reward/timeouts"), "reward_errors": total("/reward/errors"), **per_pool}
 

@@ -307,7 +307,18 @@ class RolloutWorker:
                                  "num_tokens": self.num_tokens, "num_trajectories": self.num_trajectories,
                                  "busy_slot_s": self.busy_slot_s,
                                  **{f"env_fail/{status}": n for status, n in self.env_failures.items()},
+                                 **self._env_counts(),
                                  "slot_s": (time.monotonic() - self.serving_since) * self.engine.max_batch})
+
+    def _env_counts(self) -> dict[str, float]:
+        """The environments' failed calls by status (retried ones included), their ended episodes and the sum of
+        those episodes' set-up shares, by how each ended (cumulative; the controller totals them per pool)."""
+        if self.turns is None:
+            return {}
+        counts = self.turns.counts
+        return {**{f"env_failed_calls/{status}": n for status, n in counts.failed_calls.items()},
+                **{f"env_episodes/{ended}": n for ended, n in counts.episodes.items()},
+                **{f"env_setup_share_sum/{ended}": total for ended, total in counts.setup_share_sum.items()}}
 
     def _env_result(self, request_id: str) -> EnvResult:
         """What the sample's environment reported: through the turn runner, or drawn by the timing model."""

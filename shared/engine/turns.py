@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -30,6 +32,19 @@ class Episode:
     is_started: bool = False  # reset succeeded and the request went to the engine
     status: str = "ok"  # the environment's, once a call failed after its retries
     reward: float | None = None  # the environment's own, from its latest step that gave one
+    started_at: float = 0.0  # monotonic, when its reset was asked for
+    setup_s: float = 0.0  # its reset's time, retries included
+
+
+@dataclass(slots=True)
+class EnvCounts:
+    """What a runner's environments did, for the rollout worker's metrics: failed calls by status (each attempt,
+    retried or not), and the set-up share of each ended episode (its reset's time over its whole time) summed by
+    how the episode ended (`ok`, or `failed` when a call failed after its retries)."""
+
+    failed_calls: Counter[str]
+    setup_share_sum: Counter[str]
+    episodes: Counter[str]
 
 
 class TurnRunner:
@@ -42,6 +57,7 @@ class TurnRunner:
         self.tasks: set[asyncio.Task[None]] = set()
         self.ready: list[tuple[Episode, str, EnvOutcome]] = []  # (episode, "reset" | "step", outcome)
         self.env_results: dict[str, EnvResult] = {}  # episodes that ended, until `env_result` takes theirs
+        self.counts = EnvCounts(Counter(), Counter(), Counter())
         self.wakeup = asyncio.Event()
 
     @property
@@ -57,7 +73,7 @@ class TurnRunner:
     def start(self, request: Request, env: Environment, problem: Problem) -> None:
         """Reset a new episode; its request joins the engine once the reset succeeds."""
         assert request.turn_end_id is not None, "a multi-turn request needs its turn-end token"
-        episode = self.episodes[request.request_id] = Episode(request, env)
+        episode = self.episodes[request.request_id] = Episode(request, env, started_at=time.monotonic())
         self._spawn(episode, "reset", lambda: env.reset(problem))
 
     def on_step(self, requests: list[Request]) -> list[Request]:
@@ -116,6 +132,9 @@ class TurnRunner:
 
     def _end(self, episode: Episode) -> None:
         del self.episodes[episode.request.request_id]
+        ended = "ok" if episode.status == "ok" else "failed"
+        self.counts.episodes[ended] += 1
+        self.counts.setup_share_sum[ended] += episode.setup_s / max(time.monotonic() - episode.started_at, 1e-9)
         self.env_results[episode.request.request_id] = EnvResult(episode.status, episode.reward)
 
     async def wait(self, timeout_s: float) -> None:
@@ -144,7 +163,11 @@ class TurnRunner:
 
     def _spawn(self, episode: Episode, kind: str, call: Callable[[], Awaitable[object]]) -> None:
         async def run() -> None:
+            started = time.monotonic()
             outcome = await call_env(call, self.timeout_s, self.max_retries)
+            if kind == "reset":
+                episode.setup_s = time.monotonic() - started
+            self.counts.failed_calls.update(outcome.failures)
             self.ready.append((episode, kind, outcome))
             self.wakeup.set()
 

@@ -75,20 +75,23 @@ class EnvOutcome:
     value: object = None
     attempts: int = 1
     error: str = ""
+    failures: tuple[EnvStatus, ...] = ()  # each failed attempt's status, retried ones included
 
 
 async def call_env(call: Callable[[], Awaitable[T]], timeout_s: float, max_retries: int = 1) -> EnvOutcome:
     """`call()` under a per-attempt timeout, retried `max_retries` times on a timeout or an exception."""
-    status: EnvStatus = "ok"
+    failures: list[EnvStatus] = []
     error = ""
     for attempt in range(1, max_retries + 2):
         try:
-            return EnvOutcome("ok", await asyncio.wait_for(call(), timeout_s), attempt)
+            return EnvOutcome("ok", await asyncio.wait_for(call(), timeout_s), attempt, failures=tuple(failures))
         except TimeoutError:
-            status, error = "timeout", f"no answer within {timeout_s} s"
+            failures.append("timeout")
+            error = f"no answer within {timeout_s} s"
         except Exception as exc:  # an environment's failure is a status on its trajectory, never a lost worker
-            status, error = "error", f"{type(exc).__name__}: {exc}"
-    return EnvOutcome(status, None, max_retries + 1, error)
+            failures.append("error")
+            error = f"{type(exc).__name__}: {exc}"
+    return EnvOutcome(failures[-1], None, max_retries + 1, error, tuple(failures))
 
 
 class EnvFault(RuntimeError):

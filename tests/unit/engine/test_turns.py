@@ -16,7 +16,7 @@ import torch
 from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import EnvResult, Request
-from jetroll.shared.engine.turns import TurnRunner, run_episodes
+from jetroll.shared.engine.turns import EnvCounts, TurnRunner, run_episodes
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
@@ -68,13 +68,14 @@ class ScriptedEnv:
     """Observes `= <k>` after turn k, done after `num_steps` turns; may be slow, hang, or fail its reset or steps."""
 
     def __init__(self, num_steps: int = 2, delay_s: float = 0.0, num_failures: int = 0, hang: bool = False,
-                 is_reset_failing: bool = False, observation: str = "= {k}\n") -> None:
+                 is_reset_failing: bool = False, observation: str = "= {k}\n", reset_delay_s: float = 0.0) -> None:
         self.num_steps, self.delay_s, self.num_failures, self.hang = num_steps, delay_s, num_failures, hang
-        self.is_reset_failing, self.observation = is_reset_failing, observation
+        self.is_reset_failing, self.observation, self.reset_delay_s = is_reset_failing, observation, reset_delay_s
         self.turns: list[str] = []
         self.answered_at: list[float] = []
 
     async def reset(self, problem: Problem) -> None:
+        await asyncio.sleep(self.reset_delay_s)
         if self.is_reset_failing:
             raise ConnectionError("sandbox unavailable")
 
@@ -100,6 +101,7 @@ def episode_requests(n: int, max_new_tokens: int = 40) -> list[Request]:
 class Ran:
     finished_at: dict[str, float]  # each request's finish time
     env: dict[str, EnvResult]  # what each episode's environment reported, as the worker takes it
+    counts: EnvCounts | None = None  # the runner's, at the end
 
 
 def run(engine: Engine, requests: list[Request], envs: list[ScriptedEnv], timeout_s: float = 5.0,
@@ -109,6 +111,7 @@ def run(engine: Engine, requests: list[Request], envs: list[ScriptedEnv], timeou
 
     async def main() -> None:
         runner = TurnRunner(engine, tokenizer, timeout_s)
+        ran.counts = runner.counts
         for request, env in zip(requests, envs, strict=True):
             runner.start(request, env, PROBLEM)
         def stamp(ended: list[Request]) -> None:
@@ -247,6 +250,23 @@ def test_one_retry_hides_a_single_failure() -> None:
     requests, envs = episode_requests(1), [ScriptedEnv(num_failures=1)]
     ran = run(engine, requests, envs, timeout_s=0.2)
     assert ran.env["r0"].status == "ok" and TOKENIZER.decode(requests[0].output_ids) == "12\n= 1\n12\n"
+
+
+def test_the_runner_counts_failed_calls_by_status_and_each_episodes_setup_share() -> None:
+    engine = ScriptedEngine(tiny_model(), TOKENIZER.eos_id, max_batch=4, max_len=64)
+    envs = [ScriptedEnv(num_failures=1), ScriptedEnv(hang=True), ScriptedEnv()]
+    ran = run(engine, episode_requests(3), envs, timeout_s=0.2)
+    counts = ran.counts
+    assert counts is not None
+    # the retried error is counted though its episode ended ok; the hang timed out on both attempts
+    assert counts.failed_calls == {"error": 1, "timeout": 2}
+    assert counts.episodes == {"ok": 2, "failed": 1}
+    # the failed episode's reset was immediate and its step waited 0.4 s: its set-up is a sliver of its time
+    assert 0 <= counts.setup_share_sum["failed"] < 0.1
+    slow_reset = run(ScriptedEngine(tiny_model(), TOKENIZER.eos_id, max_batch=2, max_len=64), episode_requests(1),
+                     [ScriptedEnv(reset_delay_s=0.3)]).counts
+    assert slow_reset is not None and slow_reset.episodes == {"ok": 1}
+    assert 0.5 < slow_reset.setup_share_sum["ok"] <= 1.0  # 0.3 s of reset against a few ms of decoding
 
 
 def test_observation_past_the_budget_ends_the_episode_as_length() -> None:
