@@ -35,6 +35,8 @@ from jetroll.shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, build_cha
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.env import is_multi_turn
+from jetroll.shared.tasks.gym_text import GymTask
+from jetroll.shared.tasks.reasoning import ReasoningGymTask
 from jetroll.shared.tasks.registry import get_task
 
 WARMSTART_FILE = "warmstart.json"
@@ -119,6 +121,7 @@ class _SupervisedPass:
         self.step = 0
         self.losses: list[float] = []
         self.probes = {name: get_task(name).probe(warm.probe_problems) for name in warm.tasks}
+        self.last_probe: dict[str, float] = {}
 
     def train_step(self) -> float:
         inputs, targets = sft_batch(self.tokenizer, self.warm.tasks, self.warm.batch_size, self.rng, self.prompts)
@@ -141,9 +144,9 @@ class _SupervisedPass:
         return accuracy
 
     def probe_accuracy(self) -> float:
-        """Greedy accuracy on the probe sets, the mean over the warm start's tasks."""
-        accuracy = self.probe_accuracy_by_task()
-        return sum(accuracy.values()) / len(accuracy)
+        """Greedy accuracy on the probe sets, the mean over the warm start's tasks (each task's in `last_probe`)."""
+        self.last_probe = self.probe_accuracy_by_task()
+        return sum(self.last_probe.values()) / len(self.last_probe)
 
     def snapshot(self) -> dict[str, Any]:
         return {"model": copy.deepcopy(self.model.state_dict()),
@@ -167,7 +170,9 @@ def _probe(sft: _SupervisedPass, bar: Progress, job: TaskID, history: list[list[
     history.append([sft.step, accuracy])
     bar.update(job, probe=f"{accuracy:.1%}")
     if not bar.disable and not bar.console.is_terminal:  # a log file gets a line per probe instead of a live bar
-        bar.console.print(f"warm start: step {sft.step}/{sft.warm.max_steps}: probe accuracy {accuracy:.1%}")
+        by_task = sft.last_probe
+        tasks = f" ({', '.join(f'{name} {a:.1%}' for name, a in by_task.items())})" if len(by_task) > 1 else ""
+        bar.console.print(f"warm start: step {sft.step}/{sft.warm.max_steps}: probe accuracy {accuracy:.1%}{tasks}")
     return accuracy
 
 
@@ -258,7 +263,8 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
 def config_hash(config: ModelConfig) -> str:
     """sha256 of the build recipe and the model config JSON, without the fields that do not change the tiny model's
     weights (`path`, `cache_dir`, `init`, `init_seed`); the warm start's band, cap and probe are part of it, and so
-    are the bytes of `model.tokenizer`'s files and of the warm start's datasets, not where they live."""
+    are the bytes of `model.tokenizer`'s files and of the warm start's datasets, not where they live, and the
+    definitions of its gymnasium and reasoning-gym tasks."""
     tree = config.model_dump(mode="json", exclude={"path", "cache_dir", "init", "init_seed", "tokenizer"})
     tree["recipe"] = RECIPE_VERSION
     if config.tokenizer is not None:
@@ -268,6 +274,10 @@ def config_hash(config: ModelConfig) -> str:
                 if isinstance(task := get_task(name), DatasetTask)}
     if datasets:
         tree["datasets"] = datasets
+    environments = {name: task.fingerprint() for name in config.warm_start.tasks
+                    if isinstance(task := get_task(name), GymTask | ReasoningGymTask)}
+    if environments:  # a config entry's options (a map size, a dataset's difficulty) change what is warm-started on
+        tree["environments"] = environments
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 

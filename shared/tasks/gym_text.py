@@ -204,6 +204,10 @@ class GymTask(DrawnTask):
         return Problem(prompt=f"{options} {self.adapter.render(env.env, env.observation)}{self.turn_end}",
                        answer=problem.answer())
 
+    def fingerprint(self) -> str:
+        """What a warm start on this task depends on: its definition, the adapter's defaults spelled out."""
+        return json.dumps([self.env_id, repr(self.adapter), self.max_turns, self.max_new_tokens, self.turn_end])
+
     def make_env(self) -> GymEnv:
         return GymEnv(self.adapter, self.turn_end, self.max_turns)
 

@@ -3,7 +3,8 @@
 A problem is one entry of `reasoning_gym.create_dataset(name, seed, size, **options)`: its question is the prompt,
 its answer the warm start's target, and the dataset's own `score_answer` scores a completion. Training entries come
 from the job-seeded dataset, drawn by the group's own RNG (a pure function of the job's seed and the admission index);
-held-out and probe entries from one fixed-seed dataset per task. Small procedural spaces repeat, so every split is
+held-out and probe entries from one fixed-seed dataset per task, and the warm start's from another, so a base does
+not depend on the job's seed. Small procedural spaces repeat, so every split is
 jetroll's hash split on the question: a held-out question is never trained on, whichever seed drew it.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -19,6 +20,7 @@ from jetroll.shared.tasks.base import Problem, Split, split_of
 
 EXTRA = "reasoning-gym needs the `reasoning` extra: pip install 'jetroll[reasoning]'"
 SPLIT_SEED = 1_000_003  # the held-out and probe entries' dataset seed, the same in every job
+WARM_START_SEED = 1_000_033  # the warm start's entries' dataset seed, so a base is the same for every job seed
 
 
 def reasoning_gym() -> Any:
@@ -104,7 +106,11 @@ class ReasoningGymTask:
         return self._split(n, "probe")
 
     def sft_sample(self, rng: random.Random) -> Problem:
-        return self.sample(rng)
+        return replace(self, seed=WARM_START_SEED).sample(rng)
+
+    def fingerprint(self) -> str:
+        """What a warm start on this task depends on: its definition, without the job's seed (sft_sample's own)."""
+        return json.dumps([self.dataset, self.options, self.size, self.max_new_tokens])
 
     def sft_completion(self, problem: Problem) -> str:
         return str(EntryRef.parse(problem.answer).entry()["answer"])

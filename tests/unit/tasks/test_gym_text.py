@@ -17,6 +17,7 @@ from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.tasks.env import EnvStep, is_multi_turn
 from jetroll.shared.tasks.gym_text import GymProblem, GymTask
 from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.warm_start import config_hash
 
 pytest.importorskip("gymnasium", reason="kind: gymnasium needs the gym extra")
 
@@ -97,6 +98,16 @@ def test_a_job_config_registers_the_task_and_refuses_what_it_cannot_run() -> Non
         validate_config({"tasks": [{"kind": "gymnasium", "name": "lake"}], "reward": {"backend": "lambda"}})
     with pytest.raises(Exception, match="unexpected keyword argument 'holes'"):
         validate_config({"tasks": [{"kind": "gymnasium", "name": "lake", "options": {"holes": 3}}]})
+
+
+def test_the_base_a_warm_start_builds_follows_the_environments_options() -> None:
+    def base_key(options: dict[str, object]) -> str:
+        config = validate_config({"model": {"warm_start": {"tasks": ["lake"]}},
+                                  "tasks": [{"kind": "gymnasium", "name": "lake", "options": options}]})
+        return config_hash(config.model)
+
+    assert base_key({}) == base_key({"size": 4})
+    assert base_key({}) != base_key({"size": 6})  # bigger maps are another base, never the cached 4x4 one
 
 
 def test_without_the_extra_a_gymnasium_task_fails_the_config_in_one_line_naming_it() -> None:

@@ -16,6 +16,7 @@ from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.tasks.reasoning import EntryRef, ReasoningGymTask
 from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.warm_start import config_hash
 
 pytest.importorskip("reasoning_gym", reason="kind: reasoning_gym needs the reasoning extra")
 REPO = Path(__file__).resolve().parents[3]
@@ -57,6 +58,19 @@ def test_the_reward_is_the_datasets_own_score_and_the_warm_start_target_its_answ
         assert reasoning_gym_reward(f" {target}\n", problem.answer).reward == 1.0
         assert reasoning_gym_reward(str(int(target) + 1), problem.answer).reward == 0.0
         assert tokenizer.decode(tokenizer.encode(problem.prompt)) == problem.prompt  # byte-level: capitals and all
+
+
+def test_the_warm_start_draws_the_same_for_every_job_seed_and_its_base_follows_the_tasks_options() -> None:
+    def base_key(seed: int, options: dict[str, object]) -> str:
+        config = validate_config({"seed": seed, "model": {"tokenizer": BPE, "warm_start": {"tasks": ["legs"]}},
+                                  "tasks": [{"kind": "reasoning_gym", "name": "legs", "dataset": "leg_counting",
+                                             "options": options}]})
+        return config_hash(config.model)
+
+    warm_draws = [task(seed=0).sft_sample(random.Random(i)) for i in range(5)]
+    assert [task(seed=9).sft_sample(random.Random(i)) for i in range(5)] == warm_draws
+    assert base_key(0, {}) == base_key(9, {})  # one base for every job seed
+    assert base_key(0, {}) != base_key(0, {"max_animals": 5})  # a harder dataset is another base, never the cached one
 
 
 def test_a_config_refuses_what_it_cannot_run() -> None:
