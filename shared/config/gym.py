@@ -16,7 +16,11 @@ class GymTaskConfig(TaskMixEntry):
 
     kind: Literal["gymnasium"] = Field(description="marks a gymnasium environment")
     name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
-    env_id: str = Field("FrozenLake-v1", description=f"a gymnasium env id with a text adapter: {sorted(ADAPTERS)}")
+    env_id: str = Field("FrozenLake-v1", description="a gymnasium env id (`module:EnvId` imports the module that "
+                        f"registers it first); built-in text adapters: {sorted(ADAPTERS)}")
+    adapter: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="your own text adapter, `module:Class` "
+                                "(shared/tasks/gym_text.py's TextAdapter: draw, make, render, action, solution); "
+                                "None: the env id's built-in one")
     options: dict[str, Any] = Field(default_factory=dict, description="the text adapter's options (FrozenLake-v1: "
                                     "size, the map's side, 4 by default; frozen_prob, a cell's chance to be "
                                     "frozen, 0.8)")
@@ -36,4 +40,4 @@ class GymTaskConfig(TaskMixEntry):
 def gym_task(entry: GymTaskConfig) -> GymTask:
     """The task a `kind: gymnasium` entry describes (the config registers it as it validates)."""
     return GymTask(name=entry.name, env_id=entry.env_id, adapter_options=tuple(sorted(entry.options.items())),
-                   max_turns=entry.max_turns, max_new_tokens=entry.max_new_tokens)
+                   adapter_path=entry.adapter, max_turns=entry.max_turns, max_new_tokens=entry.max_new_tokens)

@@ -12,6 +12,7 @@ FrozenLake-v1 comes first, as ROLL runs it: `is_slippery=False`, maps from `gene
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 from collections import deque
@@ -34,14 +35,17 @@ def gymnasium() -> Any:
 
 
 class TextAdapter(Protocol):
-    """An environment in words: `draw` one problem's options, `make` its environment, `render` an observation,
-    `action` of a model turn (None: it does not parse), and a shortest `solution` for the warm start."""
+    """An environment in words: `draw` one problem's options, `make` its environment, the `prompt` (the options and
+    the first observation, rendered), `render` an observation, `action` of a model turn (None: it does not parse),
+    and a shortest `solution` for the warm start."""
 
     actions: tuple[str, ...]
 
     def draw(self, rng: random.Random) -> str: ...
 
     def make(self, options: str) -> Any: ...
+
+    def prompt(self, options: str, observation: str) -> str: ...
 
     def render(self, env: Any, observation: Any) -> str: ...
 
@@ -68,6 +72,9 @@ class FrozenLakeText:
 
     def make(self, options: str) -> Any:
         return gymnasium().make("FrozenLake-v1", desc=options.upper().split("/"), is_slippery=False)
+
+    def prompt(self, options: str, observation: str) -> str:
+        return f"{options} {observation}"
 
     def render(self, env: Any, observation: Any) -> str:
         row, col = divmod(int(observation), self.size)
@@ -99,12 +106,32 @@ class FrozenLakeText:
 ADAPTERS: dict[str, type] = {"FrozenLake-v1": FrozenLakeText}
 
 
-def text_adapter(env_id: str, options: dict[str, Any]) -> TextAdapter:
+def text_adapter(env_id: str, options: dict[str, Any], adapter: str | None = None) -> TextAdapter:
+    """The text adapter of `env_id` made with `options`: `adapter` (an import path, `module:Class`) when given,
+    else the built-in one for that env id."""
+    if adapter is not None:
+        return import_adapter(adapter)(**options)
     try:
-        adapter = ADAPTERS[env_id]
+        built_in = ADAPTERS[env_id]
     except KeyError:
-        raise ValueError(f"no text adapter for gymnasium env {env_id!r}; adapters: {sorted(ADAPTERS)}") from None
-    return adapter(**options)
+        raise ValueError(f"no text adapter for gymnasium env {env_id!r}; built in: {sorted(ADAPTERS)}; name your own "
+                         "with the task's `adapter: module:Class`") from None
+    return built_in(**options)
+
+
+def import_adapter(path: str) -> type:
+    """A user's adapter class from `module:Class`, or a ValueError that says which part is missing."""
+    module_name, _, class_name = path.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"adapter {path!r}: expected module:Class")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"adapter {path!r}: cannot import {module_name}: {exc}") from None
+    found = getattr(module, class_name, None)
+    if not isinstance(found, type):
+        raise ValueError(f"adapter {path!r}: {module_name} has no class {class_name}")
+    return found
 
 
 class GymEnv:
@@ -152,19 +179,23 @@ class GymProblem:
     options: str  # the adapter's draw: a FrozenLake map
     adapter_options: dict[str, Any]
     max_turns: int
+    adapter: str | None = None  # a user's adapter (`module:Class`); None: the env id's built-in one
 
     @classmethod
     def parse(cls, answer: str) -> GymProblem:
         return cls(**json.loads(answer))
 
     def answer(self) -> str:
-        return json.dumps({"env_id": self.env_id, "options": self.options, "adapter_options": self.adapter_options,
-                           "max_turns": self.max_turns}, sort_keys=True)
+        fields = {"env_id": self.env_id, "options": self.options, "adapter_options": self.adapter_options,
+                  "max_turns": self.max_turns}
+        if self.adapter is not None:  # a built-in adapter's answers stay as they were
+            fields["adapter"] = self.adapter
+        return json.dumps(fields, sort_keys=True)
 
     def replay(self, transcript: str, turn_end: str = "\n") -> tuple[float, bool]:
         """(the reward, whether the episode ended) of a finished transcript: model turns and the observations after
         them alternate, one per `turn_end`."""
-        env = GymEnv(text_adapter(self.env_id, self.adapter_options), turn_end, self.max_turns)
+        env = GymEnv(text_adapter(self.env_id, self.adapter_options, self.adapter), turn_end, self.max_turns)
         env.start(self.options)
         for turn in transcript.split(turn_end)[::2]:
             step = env.advance(turn)
@@ -182,6 +213,7 @@ class GymTask(DrawnTask):
     name: str
     env_id: str
     adapter_options: tuple[tuple[str, Any], ...] = ()
+    adapter_path: str | None = None  # a user's adapter, `module:Class`; None: the env id's built-in one
     reward: str = "gymnasium"
     max_turns: int = 10
     max_new_tokens: int = 96
@@ -189,7 +221,7 @@ class GymTask(DrawnTask):
     adapter: TextAdapter = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "adapter", text_adapter(self.env_id, dict(self.adapter_options)))
+        object.__setattr__(self, "adapter", text_adapter(self.env_id, dict(self.adapter_options), self.adapter_path))
 
     def _draw(self, rng: random.Random) -> tuple[str]:
         return (self.adapter.draw(rng),)
@@ -200,13 +232,14 @@ class GymTask(DrawnTask):
     def make(self, options: str) -> Problem:
         env = GymEnv(self.adapter, self.turn_end, self.max_turns)
         env.start(options)
-        problem = GymProblem(self.env_id, options, dict(self.adapter_options), self.max_turns)
-        return Problem(prompt=f"{options} {self.adapter.render(env.env, env.observation)}{self.turn_end}",
-                       answer=problem.answer())
+        problem = GymProblem(self.env_id, options, dict(self.adapter_options), self.max_turns, self.adapter_path)
+        prompt = self.adapter.prompt(options, self.adapter.render(env.env, env.observation))
+        return Problem(prompt=prompt + self.turn_end, answer=problem.answer())
 
     def fingerprint(self) -> str:
-        """What a warm start on this task depends on: its definition, the adapter's defaults spelled out."""
-        return json.dumps([self.env_id, repr(self.adapter), self.max_turns, self.max_new_tokens, self.turn_end])
+        """What a warm start on this task depends on: its definition, a built-in adapter's defaults spelled out."""
+        adapter = repr(self.adapter) if self.adapter_path is None else [self.adapter_path, self.adapter_options]
+        return json.dumps([self.env_id, adapter, self.max_turns, self.max_new_tokens, self.turn_end])
 
     def make_env(self) -> GymEnv:
         return GymEnv(self.adapter, self.turn_end, self.max_turns)

@@ -6,6 +6,7 @@ import asyncio
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from jetroll.shared.tasks.registry import get_task
 from jetroll.shared.warm_start import config_hash
 
 pytest.importorskip("gymnasium", reason="kind: gymnasium needs the gym extra")
+REPO = Path(__file__).resolve().parents[3]
 
 
 def frozenlake(**fields: object) -> GymTask:
@@ -116,3 +118,28 @@ def test_without_the_extra_a_gymnasium_task_fails_the_config_in_one_line_naming_
             "validate_config({'tasks': [{'kind': 'gymnasium', 'name': 'lake'}]})")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "gymnasium needs the `gym` extra: pip install 'jetroll[gym]'" in run.stderr
+
+
+def test_your_own_environment_and_adapter_by_import_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/guess_number.py, as the README's "Your own environment" runs it: gymnasium imports the module that
+    registers the env, the adapter comes from its import path, and the reward replays the episode through both."""
+    monkeypatch.syspath_prepend(str(REPO))
+    validate_config({"tasks": [{"kind": "gymnasium", "name": "guess", "env_id": "examples.guess_number:GuessNumber-v0",
+                                "adapter": "examples.guess_number:GuessText", "max_turns": 10}]})
+    task = get_task("guess")
+    assert isinstance(task, GymTask) and type(task.adapter).__name__ == "GuessText"
+    problem = task.heldout(1)[0]
+    secret = GymProblem.parse(problem.answer).options
+    assert problem.prompt == "guess a number from 0 to 999: start\n" and secret not in problem.prompt
+    moves = task.adapter.solution(secret)
+    steps = run_episode(task, problem.answer, moves)
+    assert steps[-1] == EnvStep(done=True, reward=1.0) and all(s.observation in ("higher\n", "lower\n")
+                                                               for s in steps[:-1])
+    assert gymnasium_reward(task.sft_completion(problem), problem.answer).reward == 1.0
+    assert gymnasium_reward("500\n", problem.answer).reward == (1.0 if secret == "500" else 0.0)
+    for bad, needle in [("examples.guess_number:NoSuchText", "examples.guess_number has no class NoSuchText"),
+                        ("no_such_module:Text", "cannot import no_such_module")]:
+        with pytest.raises(ConfigError, match=needle):
+            validate_config({"tasks": [{"kind": "gymnasium", "name": "guess", "adapter": bad}]})
+    with pytest.raises(ConfigError, match="adapter"):
+        validate_config({"tasks": [{"kind": "gymnasium", "name": "guess", "adapter": "not an import path"}]})
