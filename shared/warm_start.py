@@ -48,14 +48,18 @@ IGNORE_INDEX = -100
 
 def sft_batch(
     tokenizer: Tokenizer, task_names: list[str], batch_size: int, rng: random.Random,
-    prompts: PromptFormat | None = None,
+    prompts: PromptFormat | None = None, task_weights: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs [B, S] and targets [B, S]: targets are the completion + EOS; prompts (formatted as the job formats
-    them), a multi-turn task's observations (the environment writes them) and padding are ignored."""
+    them), a multi-turn task's observations (the environment writes them) and padding are ignored. Each row's task
+    is drawn uniformly, or by `task_weights` (1 for a task it leaves out)."""
     prompt_format = prompts or PromptFormat(tokenizer)
+    weights = [task_weights.get(name, 1.0) for name in task_names] if task_weights else None
     rows = []
     for _ in range(batch_size):
-        task = get_task(rng.choice(task_names))
+        # uniform draws keep rng.choice, so the bases built before task_weights existed stay what they were
+        name = rng.choices(task_names, weights)[0] if weights else rng.choice(task_names)
+        task = get_task(name)
         problem = task.sft_sample(rng)
         prompt = prompt_format.ids(problem)
         target = tokenizer.encode(task.sft_completion(problem)) + [tokenizer.eos_id]
@@ -124,7 +128,8 @@ class _SupervisedPass:
         self.last_probe: dict[str, float] = {}
 
     def train_step(self) -> float:
-        inputs, targets = sft_batch(self.tokenizer, self.warm.tasks, self.warm.batch_size, self.rng, self.prompts)
+        inputs, targets = sft_batch(self.tokenizer, self.warm.tasks, self.warm.batch_size, self.rng, self.prompts,
+                                    self.warm.task_weights)
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         for group in self.optimizer.param_groups:
@@ -266,6 +271,11 @@ def config_hash(config: ModelConfig) -> str:
     are the bytes of `model.tokenizer`'s files and of the warm start's datasets, not where they live, and the
     definitions of its gymnasium and reasoning-gym tasks."""
     tree = config.model_dump(mode="json", exclude={"path", "cache_dir", "init", "init_seed", "tokenizer"})
+    warm = tree["warm_start"]
+    while warm is not None:  # uniform draws: the key a base had before task_weights existed
+        if not warm["task_weights"]:
+            del warm["task_weights"]
+        warm = warm["init_from"]
     tree["recipe"] = RECIPE_VERSION
     if config.tokenizer is not None:
         tree["tokenizer"] = _hash_files(hashlib.sha256(), Path(config.tokenizer).expanduser(),

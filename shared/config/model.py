@@ -32,12 +32,19 @@ class WarmStartConfig(Strict):
     batch_size: int = Field(64, ge=1, description="sequences per SFT step")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate for SFT")
     tasks: list[str] = Field(["arithmetic"], min_length=1, description="tasks whose data the SFT pass sees")
+    task_weights: dict[str, float] = Field(default_factory=dict, description="a task's share of the SFT examples "
+                                           "against the others' (default 1 each): a task that learns fast gets "
+                                           "less, so every task's base leaves RL room")
     init_from: WarmStartConfig | None = Field(
         None, description="start from the base model this earlier warm start builds (cached on its own, e.g. the "
         "default job's) instead of a random init; None: random init")
 
     @model_validator(mode="after")
     def _band(self) -> WarmStartConfig:
+        unknown = sorted(set(self.task_weights) - set(self.tasks))
+        if unknown or any(weight <= 0 for weight in self.task_weights.values()):
+            raise ValueError(f"model.warm_start.task_weights: each must be > 0 and name one of tasks {self.tasks}; "
+                             f"got {self.task_weights}")
         if self.target_band is not None:
             low, high = self.target_band
             if not 0 <= low < high <= 1:

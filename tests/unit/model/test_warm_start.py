@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -255,3 +256,30 @@ def test_init_model_prints_the_outcome(tmp_path: Path, monkeypatch: pytest.Monke
 def test_target_band_is_validated(band: tuple[float, float]) -> None:
     with pytest.raises(ValueError, match="target_band"):
         WarmStartConfig(target_band=band)
+
+
+def test_task_weights_set_each_tasks_share_of_the_sft_rows_and_leave_uniform_bases_as_they_were(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn: list[str] = []
+
+    def recorded(name: str) -> object:
+        drawn.append(name)
+        return get_task(name)
+
+    monkeypatch.setattr(warm_start, "get_task", recorded)
+    tokenizer = build_char_tokenizer()
+    warm_start.sft_batch(tokenizer, ["arithmetic", "count"], 400, random.Random(0), task_weights={"count": 0.25})
+    assert 50 <= drawn.count("count") <= 110  # 80 expected (1 in 5)
+    drawn.clear()
+    uniform = [random.Random(1).choice(["arithmetic", "count"])]
+    warm_start.sft_batch(tokenizer, ["arithmetic", "count"], 1, random.Random(1))
+    assert drawn == uniform  # no weights: the same draws as before the field existed
+    config = tiny_config()
+    weighted = config.model_copy(update={"warm_start": config.warm_start.model_copy(
+        update={"tasks": ["arithmetic", "count"], "task_weights": {"count": 0.25}})})
+    assert config_hash(weighted) != config_hash(weighted.model_copy(update={"warm_start": weighted.warm_start.model_copy(
+        update={"task_weights": {}})}))
+    with pytest.raises(ValueError, match="task_weights: each must be > 0 and name one of tasks"):
+        WarmStartConfig(tasks=["arithmetic"], task_weights={"count": 1.0})
+    with pytest.raises(ValueError, match="task_weights: each must be > 0"):
+        WarmStartConfig(tasks=["arithmetic"], task_weights={"arithmetic": 0.0})
