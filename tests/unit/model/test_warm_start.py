@@ -277,8 +277,9 @@ def test_task_weights_set_each_tasks_share_of_the_sft_rows_and_leave_uniform_bas
     config = tiny_config()
     weighted = config.model_copy(update={"warm_start": config.warm_start.model_copy(
         update={"tasks": ["arithmetic", "count"], "task_weights": {"count": 0.25}})})
-    assert config_hash(weighted) != config_hash(weighted.model_copy(update={"warm_start": weighted.warm_start.model_copy(
-        update={"task_weights": {}})}))
+    uniform_config = weighted.model_copy(update={"warm_start": weighted.warm_start.model_copy(
+        update={"task_weights": {}})})
+    assert config_hash(weighted) != config_hash(uniform_config)
     with pytest.raises(ValueError, match="task_weights: each must be > 0 and name one of tasks"):
         WarmStartConfig(tasks=["arithmetic"], task_weights={"count": 1.0})
     with pytest.raises(ValueError, match="task_weights: each must be > 0"):
