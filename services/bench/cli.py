@@ -181,6 +181,20 @@ def _peers_run(m: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
                              args.thresholds)
 
 
+def _agentic_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=int, default=2, help="job seeds per cell (seeds 0 .. N-1)")
+    parser.add_argument("--run-dir", type=Path, help="finished cells here are kept and not run again (default "
+                        "~/.cache/jetroll/bench/agentic)")
+    parser.add_argument("--max-steps", type=int, help="override trainer.max_steps (a smoke test)")
+    parser.add_argument("--target", type=float, help="the mean held-out success whose time is reported (default: "
+                        "the base's mean plus 0.10)")
+    _overrides(parser, "configs/agentic.yaml in every cell")
+
+
+def _agentic_run(m: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    return m.run_agentic_bench(args.seeds, args.run_dir, args.overrides, args.max_steps, args.target)
+
+
 BENCHES = {
     "engine": Bench("jetroll engine vs transformers generate() tokens/s", _engine_args, _engine_run, "engine"),
     "store": Bench("weight store publish+fetch vs the essential work (local, S3)", _store_args, _store_run, "store"),
@@ -204,6 +218,10 @@ BENCHES = {
     "peers": Bench("the default job in jetroll and in TRL's GRPOTrainer side by side, per job seed x kernel variant: "
                    "time per step, core-seconds, time to 70% and 80%, final accuracy (resumable)", _peers_args,
                    _peers_run, "peers"),
+    "agentic": Bench("the multi-environment job (configs/agentic.yaml) under the trajectory-level pipeline and a "
+                     "barrier loop, with its flaky environment on and off: trajectories/s, the trainer's idle "
+                     "fraction, env set-up share, time to a target success (resumable)", _agentic_args, _agentic_run,
+                     "agentic"),
 }
 
 

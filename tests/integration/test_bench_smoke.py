@@ -294,3 +294,44 @@ def test_bench_peers_without_trl_fails_in_one_line(tmp_path: Path) -> None:
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == ["jetroll: bench peers needs TRL, and trl does not import: pip install "
                                                "'jetroll[peers]'"]
+
+
+AGENTIC_SMOKE = ["bench", "agentic", "--json", "--seeds", "1", "--max-steps", "8", "--set", "model.num_layers=1",
+                 "--set", "model.warm_start.max_steps=4", "--set", "model.warm_start.target_band=null",
+                 "--set", "model.warm_start.probe_problems=8", "--set", "eval.num_problems=8",
+                 "--set", "eval.every_steps=4", "--set", "trainer.groups_per_step=3", "--set", "trainer.group_size=2",
+                 "--set", "rollout.compile=false", "--set", "tasks.1.env_faults.delay_s=0.05"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_agentic_json_smoke_and_resume(tmp_path: Path) -> None:
+    """8 steps of the multi-environment job per cell, pipeline and barrier, flaky on and off, from one base: every
+    cell trains every task, the barrier runs one pool in sync mode, the flaky pool counts its episodes and set-up
+    share, and a second call runs nothing again."""
+    pytest.importorskip("gymnasium")
+    pytest.importorskip("reasoning_gym")
+    cmd = [*JETROLL, *AGENTIC_SMOKE, "--run-dir", str(tmp_path / "bench")]
+    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
+    rows = first["rows"]
+    assert [(r["arm"], r["flaky"]) for r in rows] == [("pipeline", True), ("barrier", True), ("pipeline", False),
+                                                      ("barrier", False)]
+    for row in rows:
+        assert row["steps"] == 8 and row["trajectories_per_s"] > 0 and 0 <= row["trainer_idle_frac"] <= 1
+        assert set(row["trajectories_per_s_by_task"]) == {"frozenlake", "calculator", "chain_sum"}
+        assert [e["version"] for e in row["evals"]] == [0, 4, 8]
+        assert ("staleness.mode=sync" in row["overrides"]) == (row["arm"] == "barrier")
+    pipeline_flaky, barrier_flaky, pipeline_steady = rows[0], rows[1], rows[2]
+    assert set(pipeline_flaky["pools"]) == {"lake", "tools", "sums"} and set(barrier_flaky["pools"]) == {"default"}
+    tools = pipeline_flaky["pools"]["tools"]
+    assert tools["env_episodes/ok"] > 0 and 0 < tools["env_setup_share/ok"] < 1  # 50 ms resets are a share
+    assert "tasks.1.env_faults=null" in pipeline_steady["overrides"]
+    summary = first["summary"]
+    assert summary["flaky"]["speedup"] == (summary["flaky"]["pipeline"]["trajectories_per_s"]
+                                           / summary["flaky"]["barrier"]["trajectories_per_s"])
+    assert set(summary["pipeline_flaky_over_steady_by_task"]) == {"frozenlake", "calculator", "chain_sum"}
+    again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert again["rows"] == rows
+    other = subprocess.run([*cmd[:-2], "--set", "tasks.1.env_faults.delay_s=0.1", *cmd[-2:]], capture_output=True,
+                           text=True, timeout=300)
+    assert other.returncode == 2 and "holds agentic-bench runs of another config" in other.stderr, other.stderr

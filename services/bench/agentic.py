@@ -1,0 +1,196 @@
+"""`jetroll bench agentic`: the multi-environment job (configs/agentic.yaml) under jetroll's trajectory-level pipeline
+and under a barrier baseline, each with its flaky environment on and off.
+
+- pipeline: the job as it ships: async, each task on its own rollout pool (its own worker and environments), the
+  flaky task with its own staleness bound (docs/architecture.md, "Many tasks in one job");
+- barrier: each step waits for all of its episodes (`staleness.mode: sync`, so no task keeps a bound of its own)
+  and every environment runs inside one rollout worker's loop (one pool): the loop a user writes without
+  disaggregation;
+- flaky off: the same job with every `tasks[].env_faults` removed.
+
+Every cell is `jetroll run` in a subprocess from one base, built first and shared, so all start from the same weights
+on the same cores. A finished cell leaves row.json and is not run again (resumable). A cell reports trained
+trajectories/s over the steps after the first `WARMUP_STEPS` (per task too), the trainer's idle fraction, each pool's
+environment set-up share and failures, each task's held-out success by version, and when the mean success over the
+tasks first reached the target.
+
+TRL's GRPOTrainer is not a column: its `environment_factory` drives an environment only through tool calls that the
+model writes in its chat template's tool syntax and TRL parses, while this job's environments take plain-text turns
+(`left`, `call 347*829`), so the same base and episodes cannot run there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from jetroll.services.bench.processes import run_job
+from jetroll.services.bench.resume import claim_run_dir
+from jetroll.services.bench.versions import jetroll_commit, library_versions
+from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.errors import ConfigError
+from jetroll.shared.warm_start import ensure_base_model
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "agentic.yaml"
+DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/agentic")
+ARMS = ("pipeline", "barrier")
+WARMUP_STEPS = 5  # start-up and the first versions' compiles are not the pipeline's rate
+
+
+def arm_overrides(config: JobConfig, arm: str, is_flaky: bool) -> list[str]:
+    """The `--set`s that make the job an arm: the barrier's sync mode and single pool, the faults removed."""
+    overrides = []
+    if arm == "barrier":
+        overrides += ["staleness.mode=sync", "rollout.pools=[{name: default}]"]
+        overrides += [f"tasks.{i}.max_staleness=null" for i, task in enumerate(config.tasks)
+                      if task.max_staleness is not None]
+    if not is_flaky:
+        overrides += [f"tasks.{i}.env_faults=null" for i, task in enumerate(config.tasks)
+                      if getattr(task, "env_faults", None) is not None]
+    return overrides
+
+
+def run_agentic_bench(seeds: int = 1, run_dir: Path | None = None, overrides: list[str] = (),
+                      max_steps: int | None = None, target: float | None = None) -> dict[str, Any]:
+    run_dir = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve()
+    extra = [*overrides, f"model.cache_dir={run_dir / 'cache'}",
+             *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
+    config = load_config(CONFIG, extra)  # a bad override fails here, before any cell runs
+    if not any(getattr(task, "env_faults", None) for task in config.tasks):
+        raise ConfigError("bench agentic: no task of the job has env_faults, so flaky on and off are the same job")
+    claim_run_dir(run_dir, {"config": CONFIG.read_text(), "overrides": extra}, "agentic")
+    print("bench agentic: the base ...", file=sys.stderr, flush=True)
+    base = ensure_base_model(config.model)
+    warm = json.loads((base / "warmstart.json").read_text())
+    rows = []
+    for seed in range(seeds):
+        for is_flaky in (True, False):
+            for arm in ARMS:
+                name = f"{arm}-{'flaky' if is_flaky else 'steady'}-s{seed}"
+                out = run_dir / name
+                if not (out / "row.json").exists():
+                    run_cell(name, out, [*extra, f"seed={seed}", *arm_overrides(config, arm, is_flaky)])
+                rows.append(json.loads((out / "row.json").read_text()) | {"arm": arm, "flaky": is_flaky,
+                                                                           "seed": seed})
+    result = {"config": {"config": str(CONFIG), "overrides": extra, "seeds": seeds, "run_dir": str(run_dir),
+                         "warmup_steps": WARMUP_STEPS},
+              "base": {"dir": str(base), "steps": warm["steps"], "probe": warm["probe_history"][-1][1]
+                       if warm["probe_history"] else None},
+              "versions": library_versions(), "rows": rows, "summary": summary(rows, target)}
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def run_cell(name: str, out: Path, overrides: list[str]) -> None:
+    """One cell from an empty run dir, its whole job timed; the row is written only when it finished."""
+    run = out / "run"
+    shutil.rmtree(run, ignore_errors=True)  # an interrupted cell starts over: only uninterrupted runs count
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "jetroll.services.cli", "run", str(CONFIG), "--run-dir", str(run),
+               *(arg for item in overrides for arg in ("--set", item))]
+    print(f"bench agentic: {name} ...", file=sys.stderr, flush=True)
+    commit = jetroll_commit()
+    code, wall_s = run_job(command, os.environ.copy(), out / "job.log")
+    if code != 0:
+        raise RuntimeError(f"bench agentic cell {name} failed (exit {code}); see {out / 'job.log'}")
+    row = read_cell(run) | {"wall_s": round(wall_s, 1), "commit": commit, "overrides": overrides}
+    (out / "row.json").write_text(json.dumps(row, indent=2))
+    print(f"bench agentic: {name}: {row['trajectories_per_s']:.1f} trajectories/s, trainer idle "
+          f"{row['trainer_idle_frac']:.0%}, {wall_s / 60:.1f} min", file=sys.stderr, flush=True)
+
+
+def read_cell(run: Path) -> dict[str, Any]:
+    config = json.loads((run / "config.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    summary_json = json.loads((run / "summary.json").read_text())
+    if len(rows) <= WARMUP_STEPS:
+        raise RuntimeError(f"{run}: {len(rows)} steps; the bench measures the steps after the first {WARMUP_STEPS}")
+    measured = rows[WARMUP_STEPS:]
+    window_s = measured[-1]["time_s"] - rows[WARMUP_STEPS - 1]["time_s"]
+    per_group = config["trainer"]["group_size"] / window_s
+    tasks = [task["name"] for task in config["tasks"]]
+    last = rows[-1]
+    pools = sorted({key.split("/")[1] for key in last if key.startswith("pool/")})
+    return {
+        "steps": len(rows),
+        "trajectories_per_s": sum(r.get(f"groups/{t}", 0) for r in measured for t in tasks) * per_group,
+        "trajectories_per_s_by_task": {t: sum(r.get(f"groups/{t}", 0) for r in measured) * per_group for t in tasks},
+        "step_s": window_s / len(measured),
+        "trainer_idle_frac": statistics.fmean(r.get("trainer_idle_frac", 0.0) for r in measured),
+        "stale_wait_frac": sum(r.get("stale_wait_s", 0.0) for r in measured) / window_s,
+        "pools": {pool: {key.split("/", 2)[2]: value for key, value in last.items() if key.startswith(f"pool/{pool}/")}
+                  for pool in pools},
+        "evals": [{"version": e["version"], "time_s": _time_of(rows, e["version"]),
+                   **{t: e[t] for t in tasks if t in e}} for e in evals],
+        "accuracy_before_per_task": summary_json["accuracy_before_per_task"],
+        "accuracy_after_per_task": summary_json["accuracy_after_per_task"],
+        "groups_dropped": summary_json["groups_dropped"],
+        "dropped_by_status": summary_json["dropped_by_status"],
+    }
+
+
+def _time_of(rows: list[dict[str, Any]], version: int) -> float:
+    """When the trainer made `version` (0: its first step's start is not recorded; the job's start)."""
+    return next((r["time_s"] for r in rows if r["step"] == version), 0.0)
+
+
+def time_to(evals: list[dict[str, Any]], target: float) -> float | None:
+    """The first evaluation's time at which the mean success over the tasks reached `target`."""
+    for e in evals:
+        successes = [v for k, v in e.items() if k not in ("version", "time_s")]
+        if successes and statistics.fmean(successes) >= target:
+            return e["time_s"]
+    return None
+
+
+def summary(rows: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """Per flaky setting: each arm's mean trajectories/s, idle fraction and time to the target, the pipeline's speed-up
+    over the barrier; and per task, the pipeline's trajectories/s with the faults on over off."""
+    if target is None:  # ten points over the base's mean success
+        first = rows[0]["evals"][0]
+        target = statistics.fmean(v for k, v in first.items() if k not in ("version", "time_s")) + 0.10
+    out: dict[str, Any] = {"target": target}
+    for is_flaky in (True, False):
+        setting = {}
+        for arm in ARMS:
+            cells = [r for r in rows if r["arm"] == arm and r["flaky"] == is_flaky]
+            times = [time_to(r["evals"], target) for r in cells]
+            setting[arm] = {"trajectories_per_s": statistics.fmean(r["trajectories_per_s"] for r in cells),
+                            "trainer_idle_frac": statistics.fmean(r["trainer_idle_frac"] for r in cells),
+                            "step_s": statistics.fmean(r["step_s"] for r in cells),
+                            "time_to_target_s": times}
+        setting["speedup"] = setting["pipeline"]["trajectories_per_s"] / setting["barrier"]["trajectories_per_s"]
+        out["flaky" if is_flaky else "steady"] = setting
+    pipeline = {flaky: [r for r in rows if r["arm"] == "pipeline" and r["flaky"] == flaky] for flaky in (True, False)}
+    tasks = rows[0]["trajectories_per_s_by_task"]
+    out["pipeline_flaky_over_steady_by_task"] = {
+        t: statistics.fmean(r["trajectories_per_s_by_task"][t] for r in pipeline[True])
+        / max(statistics.fmean(r["trajectories_per_s_by_task"][t] for r in pipeline[False]), 1e-9) for t in tasks}
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="agentic: the multi-environment job, pipeline against barrier")
+    for column in ("arm", "flaky", "seed", "trajectories/s", "step s", "trainer idle", "stale wait",
+                   "before -> after (per task)", "wall min"):
+        table.add_column(column, justify="right")
+    for r in result["rows"]:
+        tasks = r["accuracy_after_per_task"]
+        change = ", ".join(f"{t} {r['accuracy_before_per_task'][t]:.0%}->{tasks[t]:.0%}" for t in tasks)
+        table.add_row(r["arm"], "on" if r["flaky"] else "off", str(r["seed"]), f"{r['trajectories_per_s']:.1f}",
+                      f"{r['step_s']:.3f}", f"{r['trainer_idle_frac']:.0%}", f"{r['stale_wait_frac']:.0%}", change,
+                      f"{r['wall_s'] / 60:.1f}")
+    console = Console()
+    console.print(table)
+    s = result["summary"]
+    console.print(f"pipeline over barrier: {s['flaky']['speedup']:.2f}x with the flaky environment, "
+                  f"{s['steady']['speedup']:.2f}x without; target {s['target']:.0%}")
