@@ -119,16 +119,28 @@ class S3WeightStore(WeightStore):
             raise WeightStoreError(f"S3 request to {self.endpoint_url or 'AWS'} failed: {exc}") from exc
 
     async def _get_bytes(self, s3: Any, key: str) -> tuple[bytes, str] | None:
-        """(body, ETag) of `key`, or None when it does not exist."""
-        try:
-            response = await s3.get_object(Bucket=self.bucket, Key=key)
-        except ClientError as exc:
-            if error_code(exc) in MISSING_CODES:
-                return None
-            raise
-        body = response["Body"]
-        async with body:
-            return await body.read(), response["ETag"]
+        """(body, ETag) of `key`, or None when it does not exist. A body cut off mid-read is read again: botocore
+        retries requests, not the reading of their bodies, and a connection lost there is no more fatal."""
+        from aiohttp import ClientError as BodyReadError
+
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await s3.get_object(Bucket=self.bucket, Key=key)
+            except ClientError as exc:
+                if error_code(exc) in MISSING_CODES:
+                    return None
+                raise
+            body = response["Body"]
+            try:
+                async with body:
+                    return await body.read(), response["ETag"]
+            except BodyReadError as exc:
+                if attempt == self.max_attempts:
+                    raise WeightStoreError(f"reading s3://{self.bucket}/{key} failed {attempt} times: {exc}") from exc
+                log.warning("reading s3://%s/%s failed (%s); reading it again", self.bucket, key, exc)
+                await asyncio.sleep(min(2.0**attempt, 20.0))
 
     async def _keys(self, s3: Any, prefix: str) -> list[str]:
         paginator = s3.get_paginator("list_objects_v2")

@@ -137,3 +137,52 @@ def test_store_config_uri() -> None:
         load_config(None, ["store.type=s3"])
     with pytest.raises(ConfigError, match="store.type 'local' conflicts with store.uri"):
         load_config(None, ["store.type=local", "store.uri=s3://bucket/x"])
+
+
+class _CutBody:
+    """An S3 response body whose connection is lost mid-read `cuts` times, then reads whole."""
+
+    def __init__(self, data: bytes, cuts: list[int]) -> None:
+        self.data, self.cuts = data, cuts
+
+    async def __aenter__(self) -> _CutBody:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def read(self) -> bytes:
+        from aiohttp import ClientPayloadError
+
+        if self.cuts[0] > 0:
+            self.cuts[0] -= 1
+            raise ClientPayloadError("Response payload is not completed")
+        return self.data
+
+
+class _CutS3:
+    def __init__(self, cuts: int) -> None:
+        self.cuts, self.gets = [cuts], 0
+
+    async def get_object(self, Bucket: str, Key: str) -> dict:  # noqa: N803 (boto's names)
+        self.gets += 1
+        return {"Body": _CutBody(b"7\n", self.cuts), "ETag": '"e"'}
+
+
+def test_an_s3_body_cut_off_mid_read_is_read_again_and_one_that_stays_cut_is_a_store_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore retries requests, not the reading of their bodies (a proxy cut there killed a trainer once)."""
+    pytest.importorskip("aiohttp")
+    from jetroll.shared.store.s3 import S3WeightStore
+
+    monkeypatch.setattr(asyncio, "sleep", _no_sleep)
+    store = S3WeightStore("bucket", "prefix", "job", tmp_path, max_attempts=3)
+    twice_cut = _CutS3(cuts=2)
+    assert asyncio.run(store._get_bytes(twice_cut, "weights/LATEST")) == (b"7\n", '"e"')
+    assert twice_cut.gets == 3
+    with pytest.raises(WeightStoreError, match="reading s3://bucket/weights/LATEST failed 3 times"):
+        asyncio.run(store._get_bytes(_CutS3(cuts=3), "weights/LATEST"))
+
+
+async def _no_sleep(seconds: float) -> None:
+    return None
