@@ -219,7 +219,8 @@ class Engine:
             request.output_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)
-            if token in self.stop_ids and not request.ignore_eos:
+            # an agent's turn ends with the eos token: it pauses the sequence, unless the budget is spent
+            if token in self.stop_ids and not request.ignore_eos and token != request.turn_end_id:
                 request.finish_reason = "stop"
             elif len(request.output_ids) >= request.max_new_tokens or request.num_tokens >= self.max_len:
                 request.finish_reason = "length"

@@ -19,7 +19,7 @@ from jetroll.shared.engine.interface import TurnEngine
 from jetroll.shared.engine.request import EnvResult, Request, has_room_after
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem
-from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, call_env
+from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, TokenEnvironment, call_env
 
 log = logging.getLogger("jetroll.rollout")
 
@@ -27,7 +27,7 @@ log = logging.getLogger("jetroll.rollout")
 @dataclass(slots=True)
 class Episode:
     request: Request
-    env: Environment
+    env: Environment | TokenEnvironment
     turn_start: int = 0  # where the current model turn starts in request.output_ids
     is_started: bool = False  # reset succeeded and the request went to the engine
     status: str = "ok"  # the environment's, once a call failed after its retries
@@ -70,8 +70,9 @@ class TurnRunner:
         """Episodes whose request is not in the engine yet: they will need a slot."""
         return sum(not e.is_started for e in self.episodes.values())
 
-    def start(self, request: Request, env: Environment, problem: Problem) -> None:
-        """Reset a new episode; its request joins the engine once the reset succeeds."""
+    def start(self, request: Request, env: Environment | TokenEnvironment, problem: Problem) -> None:
+        """Reset a new episode; its request joins the engine once the reset succeeds (with the prompt a token
+        environment's reset gives)."""
         assert request.turn_end_id is not None, "a multi-turn request needs its turn-end token"
         episode = self.episodes[request.request_id] = Episode(request, env, started_at=time.monotonic())
         self._spawn(episode, "reset", lambda: env.reset(problem))
@@ -87,6 +88,9 @@ class TurnRunner:
             elif request.finish_reason == "length":
                 self._end(episode)
                 done.append(request)
+            elif isinstance(episode.env, TokenEnvironment):
+                self._spawn(episode, "step", lambda env=episode.env, request=request, start=episode.turn_start:
+                            env.step_tokens(request, start))
             else:
                 turn_ids = request.output_ids[episode.turn_start :]
                 turn = self.tokenizer.decode(turn_ids).removesuffix(self.tokenizer.decode([request.turn_end_id]))
@@ -109,6 +113,8 @@ class TurnRunner:
                             outcome.attempts, outcome.error)
                 episode.status = outcome.status
             elif kind == "reset":
+                if isinstance(episode.env, TokenEnvironment):
+                    request.prompt_ids = list(outcome.value)  # type: ignore[call-overload]
                 episode.is_started = True
                 self.engine.add([request])
                 continue
@@ -132,6 +138,8 @@ class TurnRunner:
 
     def _end(self, episode: Episode) -> None:
         del self.episodes[episode.request.request_id]
+        if isinstance(episode.env, TokenEnvironment):
+            episode.env.close(episode.request)
         ended = "ok" if episode.status == "ok" else "failed"
         self.counts.episodes[ended] += 1
         self.counts.setup_share_sum[ended] += episode.setup_s / max(time.monotonic() - episode.started_at, 1e-9)
@@ -156,8 +164,12 @@ class TurnRunner:
             return None, EnvOutcome("error", None, outcome.attempts, f"step returned {type(step).__name__}")
         if step.reward is not None:
             episode.reward = step.reward
+        if step.done:
+            return None, outcome
+        if step.observation_ids is not None:
+            return step.observation_ids, outcome
         try:
-            return (None if step.done else self.tokenizer.encode(step.observation)), outcome
+            return self.tokenizer.encode(step.observation), outcome
         except Exception as exc:  # text the vocabulary cannot spell is the environment's fault
             return None, EnvOutcome("error", None, outcome.attempts, f"observation {step.observation!r}: {exc}")
 

@@ -182,10 +182,10 @@ class VllmEngine:
             self.running.remove(request)
             if completion.finish_reason != "stop":
                 request.finish_reason = "length"
-            elif tokens[-1] in self.stop_ids and not request.ignore_eos:
-                request.finish_reason = "stop"
-            else:  # its turn-end token
+            elif tokens[-1] == request.turn_end_id:  # an agent's turn ends with eos: it pauses too
                 self.paused.append(request)
+            else:
+                request.finish_reason = "stop"
             ended.append(request)
         return ended
 

@@ -130,6 +130,18 @@ class Transcript:
     def extend(self, messages: list[dict[str, Any]]) -> list[int]:
         """Check that `messages` repeats the session's history and adds to it; append the rendering of what it adds
         (loss mask 0) and return those ids, which end with the template's generation prompt."""
+        new, added = self.rendering(messages)
+        self.append(new, added)
+        return added
+
+    def append(self, new: list[dict[str, Any]], added: list[int]) -> None:
+        """Append messages and their ids, as `rendering` gave them."""
+        self.ids += added
+        self.loss_mask += [0] * len(added)
+        self.messages += new
+
+    def rendering(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+        """What `extend` would append, checked, without appending it: (the new messages, their ids)."""
         if self.loss_mask[-1] != 1:
             raise ValueError("a session's history is extended only after a sampled turn")
         for index, kept in enumerate(self.messages):
@@ -155,8 +167,4 @@ class Transcript:
                                 "it, so the new messages cannot be appended token-exactly")
         # a turn cut short (max_tokens) sampled no end token: the template's goes in, unsampled
         end = [] if self.ids[-1] == self.tokenizer.eos_id else [self.tokenizer.eos_id]
-        added = end + self.tokenizer.encode(after[len(before) - len(tail):])
-        self.ids += added
-        self.loss_mask += [0] * len(added)
-        self.messages += new
-        return added
+        return new, end + self.tokenizer.encode(after[len(before) - len(tail):])

@@ -10,6 +10,7 @@ start's: it stops the supervised pass, so it must not be the held-out set RL is 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,3 +142,18 @@ class DrawnTask:
 
     def sft_completion(self, problem: Problem) -> str:
         return problem.answer
+
+
+def import_path(path: str, what: str) -> Any:
+    """A user's object from `module:name` (an adapter class, an agent), or a ValueError that says which part is
+    missing."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"{what} {path!r}: expected module:name")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {path!r}: cannot import {module_name}: {exc}") from None
+    if not hasattr(module, name):
+        raise ValueError(f"{what} {path!r}: {module_name} has no {name}")
+    return getattr(module, name)

@@ -12,14 +12,13 @@ FrozenLake-v1 comes first, as ROLL runs it: `is_slippery=False`, maps from `gene
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from jetroll.shared.tasks.base import DrawnTask, Problem
+from jetroll.shared.tasks.base import DrawnTask, Problem, import_path
 from jetroll.shared.tasks.env import EnvStep
 
 EXTRA = "gymnasium needs the `gym` extra: pip install 'jetroll[gym]'"
@@ -121,16 +120,9 @@ def text_adapter(env_id: str, options: dict[str, Any], adapter: str | None = Non
 
 def import_adapter(path: str) -> type:
     """A user's adapter class from `module:Class`, or a ValueError that says which part is missing."""
-    module_name, _, class_name = path.partition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"adapter {path!r}: expected module:Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"adapter {path!r}: cannot import {module_name}: {exc}") from None
-    found = getattr(module, class_name, None)
+    found = import_path(path, "adapter")
     if not isinstance(found, type):
-        raise ValueError(f"adapter {path!r}: {module_name} has no class {class_name}")
+        raise ValueError(f"adapter {path!r} is not a class")
     return found
 
 

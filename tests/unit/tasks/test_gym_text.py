@@ -137,7 +137,7 @@ def test_your_own_environment_and_adapter_by_import_path(monkeypatch: pytest.Mon
                                                                for s in steps[:-1])
     assert gymnasium_reward(task.sft_completion(problem), problem.answer).reward == 1.0
     assert gymnasium_reward("500\n", problem.answer).reward == (1.0 if secret == "500" else 0.0)
-    for bad, needle in [("examples.guess_number:NoSuchText", "examples.guess_number has no class NoSuchText"),
+    for bad, needle in [("examples.guess_number:NoSuchText", "examples.guess_number has no NoSuchText"),
                         ("no_such_module:Text", "cannot import no_such_module")]:
         with pytest.raises(ConfigError, match=needle):
             validate_config({"tasks": [{"kind": "gymnasium", "name": "guess", "adapter": bad}]})

@@ -1,0 +1,220 @@
+"""Agents as a task (`kind: agent` in a job's tasks): a user's program that talks to the policy through an
+OpenAI-compatible endpoint, and knows nothing of jetroll.
+
+An agent is a coroutine `async def run(problem: Problem, client: openai.AsyncOpenAI) -> AgentResult | float`, named
+by its import path (`module:function`, which may import anything). `client` points at the episode's gateway session
+(shared/engine/gateway.py); the agent's reward (in [0, 1]) is the trained reward: the task's reward is `env`, which
+the reward router reads from the trajectory. An agent that raises, or runs past `timeout_s`, ends its session with
+env status `error` or `timeout`: its group is dropped and counted, never given a reward of 0.
+
+Problems come from a JSONL file (a dataset task's splits: by hash on the question), and the warm start from the
+rows' demonstrations: a transcript in OpenAI's message format and the tools it used, rendered by the bridge rule of
+shared/model/transcript.py, so the base model learns turns in the layout the gateway will give it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import random
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from jetroll.shared.model.chat import render_chat
+from jetroll.shared.model.tokenizer import Tokenizer
+from jetroll.shared.model.transcript import SENTINEL, Transcript
+from jetroll.shared.tasks.base import Problem, import_path
+from jetroll.shared.tasks.dataset import DatasetError, DatasetTask, shard_files
+
+EXTRA = "agents need the `agents` extra: pip install 'jetroll[agents]'"
+ENV_REWARD = "env"  # a task whose reward is this is scored by its environment's (its agent's) own reward
+
+
+@dataclass(frozen=True, slots=True)
+class AgentResult:
+    """What an agent returns: its reward in [0, 1], and whether it solved the problem (None: reward == 1)."""
+
+    reward: float
+    correct: bool | None = None
+
+    @property
+    def is_correct(self) -> bool:
+        return self.reward == 1.0 if self.correct is None else self.correct
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeOutcome:
+    """How an agent's episode ended, as its session's end reports it."""
+
+    status: str  # ok | error | timeout
+    reward: float | None = None
+    reason: str = ""
+
+
+async def run_agent(agent: Any, problem: Problem, url: str, timeout_s: float) -> EpisodeOutcome:
+    """Run `agent` on `problem` against the session at `url`, under `timeout_s`; never raises."""
+    try:
+        import openai
+    except ImportError:
+        return EpisodeOutcome("error", None, EXTRA)
+    client = openai.AsyncOpenAI(base_url=url, api_key="jetroll", max_retries=0, timeout=timeout_s)
+    try:
+        result = await asyncio.wait_for(agent(problem, client), timeout_s)
+    except TimeoutError:
+        return EpisodeOutcome("timeout", None, f"the agent ran past its {timeout_s:g} s")
+    except Exception as exc:  # the agent's failure is its episode's env status, never a lost worker
+        return EpisodeOutcome("error", None, f"{type(exc).__name__}: {exc}"[:500])
+    finally:
+        await client.close()
+    reward = result.reward if isinstance(result, AgentResult) else result
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not 0 <= reward <= 1:
+        return EpisodeOutcome("error", None, f"the agent returned {result!r:.80}: not an AgentResult or a reward "
+                                             "in [0, 1]")
+    return EpisodeOutcome("ok", float(reward))
+
+
+async def end_session(url: str, outcome: EpisodeOutcome, timeout_s: float = 10.0) -> bool:
+    """Report an episode's outcome to its session (`url` is the session's `/v1` base); False when the gateway does
+    not take it (gone, or the session already ended)."""
+    import aiohttp
+
+    end_url = url.removesuffix("/v1") + "/end"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+            async with http.post(end_url, json={"status": outcome.status, "reward": outcome.reward,
+                                                "reason": outcome.reason}) as response:
+                return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+@dataclass(frozen=True)
+class AgentTask:
+    """A `kind: agent` entry of the job's tasks (its schema: shared/config/agent.py)."""
+
+    name: str
+    agent_path: str  # module:function
+    path: str  # JSONL rows: the question, its answer, and a demonstration for the warm start
+    question_field: str = "question"
+    answer_field: str = "answer"
+    demonstration_field: str = "messages"  # a transcript in OpenAI's message format, assistant turns included
+    tools_field: str = "tools"  # the tools the demonstration used (absent: none)
+    max_new_tokens: int = 96  # the session's budget: sampled turns and the rendered messages between them
+    timeout_s: float = 30.0  # the agent's whole episode, and its session's deadline
+    seed: int = 0
+    reward: str = ENV_REWARD
+
+    @cached_property
+    def problems(self) -> DatasetTask:
+        return DatasetTask(name=self.name, path=self.path, reward=ENV_REWARD, answer_field=self.answer_field,
+                           prompt_field=self.question_field, max_new_tokens=self.max_new_tokens, seed=self.seed)
+
+    @cached_property
+    def agent(self) -> Any:
+        found = import_path(self.agent_path, "agent")
+        if not inspect.iscoroutinefunction(found):
+            raise ValueError(f"agent {self.agent_path!r} is not a coroutine function: an agent is "
+                             "`async def run(problem, client)`")
+        return found
+
+    @cached_property
+    def demonstrations(self) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
+        """question -> (messages, tools) of every row with a demonstration."""
+        shown = {}
+        for path in shard_files(self.path):
+            for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                messages = row.get(self.demonstration_field)
+                if messages is None:
+                    continue
+                if not (isinstance(messages, list) and messages and messages[-1].get("role") == "assistant"):
+                    raise DatasetError(f"{path}:{number}: {self.demonstration_field!r} must be a list of messages "
+                                       "that ends with an assistant turn")
+                shown[str(row[self.question_field])] = (messages, row.get(self.tools_field))
+        return shown
+
+    def fingerprint(self) -> str:
+        return self.problems.fingerprint() + f":{self.demonstration_field}:{self.tools_field}"
+
+    def sample(self, rng: random.Random, index: int) -> Problem:
+        return self.problems.sample(rng, index)
+
+    def heldout(self, n: int) -> list[Problem]:
+        return self.problems.heldout(n)
+
+    def probe(self, n: int) -> list[Problem]:
+        return self.problems.probe(n)
+
+    def sft_sample(self, rng: random.Random) -> Problem:
+        train = [p for p in self.problems.rows.train if p.prompt in self.demonstrations]
+        if not train:
+            raise DatasetError(f"agent task {self.name}: no training row of {self.path} has a "
+                               f"{self.demonstration_field!r} demonstration to warm-start on")
+        return rng.choice(train)
+
+    def sft_completion(self, problem: Problem) -> str:
+        raise NotImplementedError("an agent's warm start is token ids, from sft_example")
+
+    def sft_example(self, problem: Problem, tokenizer: Tokenizer) -> tuple[list[int], list[int], list[bool]]:
+        """(prompt ids, completion ids, which completion ids are trained): the demonstration as the gateway would
+        have built it, each assistant turn tokenized as the template renders it, up to and with its end token."""
+        messages, tools = self.demonstrations[problem.prompt]
+        template = tokenizer.chat_template
+        assert template is not None, "an agent task's model has a chat template (the config checks it)"
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        transcript = Transcript.start(template, tokenizer, messages[:first], tools)
+        index = first
+        while index < len(messages):
+            transcript.add_sampled(self._turn_ids(tokenizer, template, messages[index], tools))
+            following = index + 1
+            while following < len(messages) and messages[following]["role"] != "assistant":
+                following += 1
+            if following > index + 1:
+                transcript.extend(transcript.messages[:index + 1] + messages[index + 1:following])
+            index = following
+        completion = transcript.ids[transcript.num_prompt:]
+        trained = [bool(m) for m in transcript.loss_mask[transcript.num_prompt:]]
+        return transcript.ids[:transcript.num_prompt], completion, trained
+
+    @staticmethod
+    def _turn_ids(tokenizer: Tokenizer, template: str, message: dict[str, Any],
+                  tools: list[dict[str, Any]] | None) -> list[int]:
+        """An assistant message as the policy samples it: the template's rendering of the turn, its end token
+        included, the template's text after that token excluded."""
+        special = tokenizer.special_tokens()
+        probe = [{"role": "user", "content": SENTINEL}]
+        before = render_chat(template, probe, special, tools=tools)
+        after = render_chat(template, [*probe, message], special, tools=tools, add_generation_prompt=False)
+        turn = after[len(before):]
+        return tokenizer.encode(turn[:turn.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)])
+
+
+def is_agent(task: object) -> bool:
+    return isinstance(task, AgentTask)
+
+
+class InlineAgents:
+    """Agents run as tasks of this event loop (evaluation, the warm start's probe, tests): `launch` is a session's
+    launch (`(session, problem)`, where the session has a `url`); `drain` waits for every agent launched. The rollout
+    worker's launch publishes each episode to the environment workers instead."""
+
+    def __init__(self, agent: Any, timeout_s: float) -> None:
+        self.agent = agent
+        self.timeout_s = timeout_s
+        self.running: set[asyncio.Task[None]] = set()
+
+    async def launch(self, session: Any, problem: Problem) -> None:
+        async def episode() -> None:
+            await end_session(session.url, await run_agent(self.agent, problem, session.url, self.timeout_s))
+
+        task = asyncio.get_running_loop().create_task(episode())
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self.running)
