@@ -16,6 +16,7 @@ from typing import Any
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression of integers with + - * and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+TOOLS = [CALCULATOR]
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 MAX_TURNS = 3
 
@@ -47,7 +48,7 @@ async def run(problem: Any, client: Any) -> float:
     """`problem` has `prompt` (the question) and `answer`; `client` is an `openai.AsyncOpenAI`."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": problem.prompt}]
     for _ in range(MAX_TURNS):
-        response = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+        response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

@@ -106,7 +106,7 @@ def _add_queue_parsers(sub: Any, redis_url: str | None) -> None:
 
 
 def _add_service_parsers(sub: Any, redis_url: str | None) -> None:
-    """`jetroll controller|rollout|reward|trainer`: one job's service (--config), or watch mode (--watch)."""
+    """`jetroll controller|rollout|reward|trainer|env`: one job's service (--config), or watch mode (--watch)."""
     for name in SERVICES:
         svc = sub.add_parser(name, help=f"run the {name} service (the launcher starts these; --watch: event-triggered "
                              "jobs)")
@@ -124,7 +124,7 @@ def _add_service_parsers(sub: Any, redis_url: str | None) -> None:
                          "RUNS_DIR/<job_id> (default runs)")
         svc.add_argument("--heartbeat-file", type=Path, default=os.environ.get("JETROLL_HEARTBEAT_FILE"),
                          help="touch this file every few seconds (container healthchecks; env JETROLL_HEARTBEAT_FILE)")
-        if name == "rollout":
+        if name in ("rollout", "env"):
             svc.add_argument("--pool", help="the rollout pool to serve (default: the first in rollout.pools)")
 
 

@@ -33,6 +33,7 @@ from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, build_char_tokenizer, load_tokenizer
 from jetroll.shared.rl.schedule import cosine_lr
+from jetroll.shared.tasks.agent import AgentTask
 from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.gym_text import GymTask
@@ -61,6 +62,10 @@ def sft_batch(
         name = rng.choices(task_names, weights)[0] if weights else rng.choice(task_names)
         task = get_task(name)
         problem = task.sft_sample(rng)
+        if isinstance(task, AgentTask):  # a demonstration, tokenized as the gateway would have
+            prompt, target, trained = task.sft_example(problem, tokenizer)
+            rows.append((prompt, target, [i if t else IGNORE_INDEX for i, t in zip(target, trained, strict=True)]))
+            continue
         prompt = prompt_format.ids(problem)
         target = tokenizer.encode(task.sft_completion(problem)) + [tokenizer.eos_id]
         labels = list(target)
@@ -281,7 +286,7 @@ def config_hash(config: ModelConfig) -> str:
         tree["tokenizer"] = _hash_files(hashlib.sha256(), Path(config.tokenizer).expanduser(),
                                         ("tokenizer.json", *TOKENIZER_FILES))
     datasets = {name: task.fingerprint() for name in config.warm_start.tasks
-                if isinstance(task := get_task(name), DatasetTask)}
+                if isinstance(task := get_task(name), DatasetTask | AgentTask)}
     if datasets:
         tree["datasets"] = datasets
     environments = {name: task.fingerprint() for name in config.warm_start.tasks

@@ -12,7 +12,7 @@ from typing import Any
 
 from jetroll.shared.config.job import JobConfig
 
-SERVICES = ("controller", "rollout", "reward", "trainer")
+SERVICES = ("controller", "rollout", "reward", "trainer", "env")
 
 
 # glibc's default raises its mmap threshold (to 32 MB) after the first large free, so later weight-sized tensors
@@ -27,7 +27,7 @@ def prepare_process(service: str, config: JobConfig) -> None:
     import torch
 
     torch.set_num_threads({"rollout": config.rollout.threads, "reward": config.reward.threads,
-                           "trainer": config.trainer.threads, "controller": 1}[service])
+                           "trainer": config.trainer.threads, "controller": 1, "env": 1}[service])
     try:
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES)
     except AttributeError:  # not glibc (macOS): its allocator already returns large frees
@@ -58,6 +58,10 @@ async def service_main(name: str, config: JobConfig, redis_url: str, consumer: s
             from jetroll.services.rollout.worker import RolloutWorker
 
             await RolloutWorker(config, bus, store, consumer, pool).run()
+        elif name == "env":
+            from jetroll.services.env.worker import EnvWorker
+
+            await EnvWorker(config, bus, consumer, pool).run()
         else:
             from jetroll.services.controller.controller import Controller
 

@@ -24,7 +24,7 @@ POLL_S = 0.5
 @dataclass(slots=True)
 class Service:
     lives: Lives  # its name is also the base of the consumer name
-    kind: str  # controller | rollout | reward | trainer | celery (a reward worker) | redis (the job's own server)
+    kind: str  # controller | rollout | reward | trainer | env | celery (a reward worker) | redis (its own server)
     pool: str | None = None  # rollout: the pool it serves
     process: subprocess.Popen | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
@@ -54,7 +54,9 @@ class Launcher:
 
         rollouts = [service(f"rollout-{pool.name}-{i}", "rollout", pool.name)
                     for pool in config.rollout.pools for i in range(pool.num_workers)]
-        self.services = [service("trainer", "trainer"), service("reward", "reward"), *rollouts,
+        envs = [service(f"env-{pool.name}-{i}", "env", pool.name)
+                for pool in config.rollout.pools for i in range(pool.env_workers)] if config.has_agents else []
+        self.services = [service("trainer", "trainer"), service("reward", "reward"), *rollouts, *envs,
                          service("controller", "controller")]
         if needs_celery_worker(config.reward, [task.name for task in config.tasks]):
             self.services.insert(0, service("celery-worker", "celery"))

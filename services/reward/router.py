@@ -18,6 +18,7 @@ from jetroll.shared.protocol.events import MetricsEvent, RewardStatus, ScoredEve
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import METRICS, SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.protocol.validate import EventLimits, check_trajectory, expecting
+from jetroll.shared.tasks.agent import ENV_REWARD
 from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,10 @@ class RewardRouter:
         if traj.env_status != "ok":
             status, reward, attempts = "env_fail", None, 0
             details: dict[str, Any] = {"error": f"environment status {traj.env_status!r}"}
+        elif _scored_by_env(traj.task):
+            # an agent's own reward; none means its episode ran out of budget (length) before the agent reported
+            status, reward, attempts = "ok", traj.env_reward or 0.0, 1
+            details = {"correct": traj.env_reward == 1.0, "note": "the environment's reward"}
         else:
             status, reward, attempts, details = await self._attempts(traj, backend_name)
         self.counts["scored"] += 1
@@ -245,3 +250,10 @@ class RewardRouter:
             step=step))
         self._metrics_at, self._metrics_scored = now, step
 
+
+def _scored_by_env(task: str) -> bool:
+    """Whether the task's reward is its environment's own (agent tasks: reward `env`)."""
+    try:
+        return get_task(task).reward == ENV_REWARD
+    except ValueError:  # an unknown task is the scoring path's error to report
+        return False

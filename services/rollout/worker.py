@@ -1,7 +1,9 @@
 """Rollout worker: Group work items in, one Trajectory event per finished sample out, weights hot-swapped.
 
 Multi-turn tasks run their environments beside the engine (shared/engine/turns.py): a sequence waiting on its
-environment is paused in its slot while the others decode, and environment results are applied between steps.
+environment is paused in its slot while the others decode, and environment results are applied between steps. An
+agent task's episodes are sessions of the worker's gateway (shared/engine/gateway.py), on the same event loop: each
+is published to the pool's environment workers, whose agents talk to it over HTTP.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import asyncio
 import logging
 import math
 import random
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -30,15 +34,26 @@ from jetroll.shared.model.checkpoint import load_pretrained, quantization_plan, 
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 from jetroll.shared.numerics import QuantizationPlan
 from jetroll.shared.protocol.bus import RedisBus
-from jetroll.shared.protocol.events import Array, GroupEvent, MetricsEvent, TrajectoryEvent, WeightsPublishedEvent
+from jetroll.shared.protocol.events import (
+    Array,
+    EpisodeEvent,
+    GroupEvent,
+    MetricsEvent,
+    TrajectoryEvent,
+    WeightsPublishedEvent,
+)
 from jetroll.shared.protocol.in_flight import InFlightIndex
-from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, groups_stream
+from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, episodes_stream, groups_stream
 from jetroll.shared.protocol.validate import EventLimits, check_group, expecting
 from jetroll.shared.rl.admission import in_flight_slack
 from jetroll.shared.store.base import WeightStore, WeightStoreError, encode_manifest
+from jetroll.shared.tasks.agent import is_agent
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import FlakyEnv, is_multi_turn
 from jetroll.shared.tasks.registry import get_task
+
+if TYPE_CHECKING:  # the gateway (aiohttp) loads with the first agent group: the `agents` extra
+    from jetroll.shared.engine.gateway import Gateway, Session
 
 log = logging.getLogger("jetroll.rollout")
 
@@ -73,6 +88,8 @@ class RolloutWorker:
         self.limits: EventLimits | None = None  # set with the engine: token ids must fit its embedding
         self.tokenizer: Tokenizer | None = None
         self.turns: TurnRunner | None = None  # multi-turn environments (every engine but the timing model)
+        self.gateway: Gateway | None = None  # agent tasks' sessions: started with the first agent group
+        self.incarnation = secrets.token_hex(4)  # in session ids: a restarted worker never takes old agents' calls
         self.env_failures: Counter[str] = Counter()  # env_status -> trajectories that ended with it
         self.num_tokens = 0
         self.num_trajectories = 0
@@ -108,6 +125,8 @@ class RolloutWorker:
         finally:
             if self.turns is not None:
                 await self.turns.close()
+            if self.gateway is not None:
+                await self.gateway.close()
 
     def _setup_engine(self, directory: Path) -> RolloutEngine:
         rollout = self.config.rollout
@@ -268,6 +287,9 @@ class RolloutWorker:
         max_new = min(group.max_new_tokens, self.engine.max_len - len(prompt_ids))
         self.groups[group.group_id] = InFlightGroup(group, entry_id, group.group_size)
         task = get_task(group.task)
+        if is_agent(task):
+            await self._start_sessions(group, prompt_ids, max_new)
+            return
         is_episode = self.turns is not None and is_multi_turn(task)
         turn_end_id = self.tokenizer.encode(task.turn_end)[0] if is_episode and self.tokenizer else None
         requests = [Request(f"{group.group_id}:{i}", prompt_ids, max_new, self.config.rollout.temperature,
@@ -283,6 +305,38 @@ class RolloutWorker:
                 env = FlakyEnv(env, faults.delay_s, faults.failure_rate,
                                random.Random(f"{self.config.seed}:{request.request_id}"))
             self.turns.start(request, env, Problem(group.prompt, group.answer))
+
+    async def _start_sessions(self, group: GroupEvent, prompt_ids: list[int], max_new: int) -> None:
+        """An agent group: one gateway session per sample, each published to the pool's environment workers; a
+        sample's request joins the engine with its agent's first request (the group's prompt ids stand in until
+        then)."""
+        if self.turns is None or self.tokenizer is None:
+            raise JobFailedError(f"task {group.task} is an agent task: rollout.engine {self.engine_name} runs no "
+                                 "environments")
+        if self.gateway is None:
+            from jetroll.shared.engine.gateway import Gateway
+
+            rollout = self.config.rollout
+            self.gateway = Gateway(self.tokenizer, rollout.max_seq_len, rollout.temperature, rollout.top_p,
+                                   host=rollout.gateway_host)
+            await self.gateway.start()
+            episodes = episodes_stream(self.pool.name)
+            await self.bus.ensure_group(episodes.name, episodes.group)
+            log.info("%s: agents' gateway at %s", self.consumer, self.gateway.url)
+        timeout_s = get_task(group.task).timeout_s  # type: ignore[attr-defined]
+        for i in range(group.group_size):
+            request = Request(f"{group.group_id}:{i}", prompt_ids, max_new, self.config.rollout.temperature,
+                              self.config.rollout.top_p, turn_end_id=self.tokenizer.eos_id)
+            session = self.gateway.open(f"{request.request_id}~{self.incarnation}", self._publish_episode, max_new,
+                                        timeout_s)
+            self.turns.start(request, session, Problem(group.prompt, group.answer))
+
+    async def _publish_episode(self, session: Session, problem: Problem) -> None:
+        traj_id = session.session_id.rsplit("~", 1)[0]
+        group = self.groups[traj_id.rsplit(":", 1)[0]].event
+        await self.bus.publish(episodes_stream(self.pool.name).name, EpisodeEvent(
+            job_id=self.config.job_id, session_id=session.session_id, url=session.url, task=group.task,
+            pool=self.pool.name, prompt=problem.prompt, answer=problem.answer))
 
     async def _emit(self, finished: list[Request]) -> None:
         await self.bus.wait_for_capacity(TRAJ_RAW.name, TRAJ_RAW.group, self.config.redis.max_lag)
@@ -332,7 +386,7 @@ class RolloutWorker:
         return TrajectoryEvent(
             job_id=group.job_id, traj_id=request.request_id, group_id=group.group_id, sample=sample,
             task=group.task, pool=group.pool, prompt=group.prompt, answer=group.answer,
-            prompt_ids=group.prompt_ids,
+            prompt_ids=Array.of(request.prompt_ids, "<i4"),  # an agent's: its first request's, rendered
             completion_ids=Array.of(request.output_ids, "<i4"),
             loss_mask=Array.of(request.loss_mask, "<u1"),
             behavior_logprobs=Array.of(request.logprobs, "<f4"),

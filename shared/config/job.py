@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
+from jetroll.shared.config.agent import AgentTaskConfig, agent_task
 from jetroll.shared.config.base import Strict, TaskMixEntry
 from jetroll.shared.config.dataset import DatasetTaskConfig, dataset_task
 from jetroll.shared.config.faults import EnvFaults
@@ -43,7 +44,8 @@ def _task_kind(entry: Any) -> str:
 
 TaskEntry = Annotated[Annotated[TaskWeight, Tag("registered")] | Annotated[DatasetTaskConfig, Tag("dataset")]
                       | Annotated[GymTaskConfig, Tag("gymnasium")]
-                      | Annotated[ReasoningGymTaskConfig, Tag("reasoning_gym")], Discriminator(_task_kind)]
+                      | Annotated[ReasoningGymTaskConfig, Tag("reasoning_gym")]
+                      | Annotated[AgentTaskConfig, Tag("agent")], Discriminator(_task_kind)]
 
 
 class EvalConfig(Strict):
@@ -74,8 +76,8 @@ class JobConfig(Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     tasks: list[TaskEntry] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1,
                                    description="the task mix: registered tasks by name, `kind: dataset` "
-                                   "entries read from files, `kind: gymnasium` environments and `kind: reasoning_gym` "
-                                   "datasets")
+                                   "entries read from files, `kind: gymnasium` environments, `kind: reasoning_gym` "
+                                   "datasets and `kind: agent` programs")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -96,6 +98,11 @@ class JobConfig(Strict):
     def max_eta_hard(self) -> int:
         """The largest lag any trained token may have: twice the largest task's eta."""
         return 2 * max(self.task_eta(entry.name) for entry in self.tasks)
+
+    @property
+    def has_agents(self) -> bool:
+        """Whether a task is an agent's: then every pool runs environment workers (`rollout.pools[].env_workers`)."""
+        return any(isinstance(task, AgentTaskConfig) for task in self.tasks)
 
     def env_faults(self, task: str) -> EnvFaults | None:
         """The faults injected into `task`'s environments (`tasks[].env_faults`), if any."""
@@ -132,6 +139,12 @@ class JobConfig(Strict):
                                      "the tiny model's char vocabulary cannot spell; set model.tokenizer (a byte-level "
                                      "BPE such as configs/models/bpe-math) or model.path")
                 register_configured(reasoning_gym_task(task, self.seed))
+            elif isinstance(task, AgentTaskConfig):
+                if (self.model.path is None and self.model.tokenizer is None) or not self.model.chat_template:
+                    raise ValueError(f"agent task {task.name}: its gateway renders chat messages with the model's "
+                                     "chat template: set model.chat_template: true and a model that ships one "
+                                     "(model.tokenizer such as configs/models/bpe-agent, or model.path)")
+                register_configured(agent_task(task, self.seed))
         for i, task in enumerate(self.tasks):
             if task.name not in TASKS:
                 raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")

@@ -51,6 +51,8 @@ class PoolConfig(Strict):
     max_batch: int | None = Field(None, ge=1, description="decode slots per worker; None uses rollout.max_batch")
     num_cpus: float = Field(1.0, ge=0, description="resource hint: CPUs per worker (Ray placement)")
     num_gpus: float = Field(0.0, ge=0, description="resource hint: GPUs per worker (Ray placement)")
+    env_workers: int = Field(1, ge=1, description="agent tasks: environment worker processes that run this pool's "
+                             "agents (each runs many episodes at once, on asyncio)")
     accelerator_type: str | None = Field(None, description="resource hint: Ray accelerator_type, e.g. H200")
     engine: Engine | None = Field(None, description="this pool's engine; None uses rollout.engine")
     timing: TimingEngineConfig | None = Field(None, description="rollout.engine timing: this pool's hardware speed; "
@@ -92,6 +94,9 @@ class RolloutConfig(Strict):
                                  "step attempt")
     env_max_retries: int = Field(1, ge=0, description="multi-turn tasks: retries of a reset or step that timed out "
                                  "or raised; still failing, the trajectory ends with that env_status (env_fail)")
+    gateway_host: str = Field("127.0.0.1", min_length=1, description="agent tasks: where each rollout worker's "
+                              "gateway listens, as environment workers reach it (a port is chosen per start); "
+                              "another machine's workers need an address of this one")
 
     _engine_renamed = field_validator("engine", mode="before")(_renamed_engine)
 

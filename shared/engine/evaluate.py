@@ -23,11 +23,13 @@ from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.store import setup_store
+from jetroll.shared.tasks.agent import AgentTask, InlineAgents
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import get_task
 
 ENV_TIMEOUT_S = 10.0
+AGENT_PROMPT_ROOM = 384  # tokens for an agent's first request (its tools and question): it is rendered in the session
 
 
 def greedy_completions(
@@ -67,11 +69,50 @@ async def _episodes(engine: Engine, tokenizer: Tokenizer, task: Task, requests: 
     await run_episodes(engine, runner)
 
 
+async def _agent_episodes(engine: Engine, tokenizer: Tokenizer, task: AgentTask, requests: list[Request],
+                          problems: list[Problem]) -> list[float | None]:
+    """An agent task's episodes through a gateway on this loop, its agents beside it: each episode's reward."""
+    from jetroll.shared.engine.gateway import Gateway
+
+    gateway = Gateway(tokenizer, engine.max_len, temperature=0.0, top_p=1.0)
+    await gateway.start()
+    agents = InlineAgents(task.agent, task.timeout_s)
+    runner = TurnRunner(engine, tokenizer, task.timeout_s, max_retries=0)
+    try:
+        for request, problem in zip(requests, problems, strict=True):
+            runner.start(request, gateway.open(request.request_id, agents.launch, request.max_new_tokens,
+                                               task.timeout_s), problem)
+        await run_episodes(engine, runner)
+        await agents.drain()
+    finally:
+        await gateway.close()
+    return [runner.env_result(r.request_id).reward for r in requests]
+
+
+def agent_accuracy(model: CausalLM, tokenizer: Tokenizer, task: AgentTask, problems: list[Problem],
+                   max_batch: int = 256) -> float:
+    """The fraction of `problems` an agent solves on the greedy policy: its reward is 1 (a failed episode, or one
+    out of budget, is not solved)."""
+    if not problems:
+        return 0.0
+    requests = [Request(str(i), [tokenizer.eos_id], task.max_new_tokens, temperature=0.0,
+                        turn_end_id=tokenizer.eos_id) for i in range(len(problems))]
+    engine = Engine(model, tokenizer.eos_id, max_batch=min(max_batch, len(requests)),
+                    max_len=AGENT_PROMPT_ROOM + task.max_new_tokens)
+    was_training = model.training
+    rewards = asyncio.run(_agent_episodes(engine, tokenizer, task, requests, problems))
+    model.train(was_training)
+    return sum(reward == 1.0 for reward in rewards) / len(problems)
+
+
 def accuracy_on(
     model: CausalLM, tokenizer: Tokenizer, task: Task, problems: list[Problem], max_batch: int = 256,
     prompts: PromptFormat | None = None,
 ) -> float:
-    """The fraction of `problems` of `task` whose greedy completion its reward calls correct."""
+    """The fraction of `problems` of `task` whose greedy completion its reward calls correct (an agent's: that
+    it solves)."""
+    if isinstance(task, AgentTask):
+        return agent_accuracy(model, tokenizer, task, problems, max_batch)
     reward_fn = get_reward(task.reward)
     completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch, task, prompts)
     num_correct = sum(reward_fn(c, p.answer).correct for c, p in zip(completions, problems, strict=True))

@@ -75,6 +75,16 @@ class GroupEvent(Event, tag="group"):
     min_version: int = 0  # rollout swaps to at least this version before starting the group (sync barrier)
 
 
+# rollout (its gateway) -> the pool's environment workers (one agent episode to run against a gateway session)
+class EpisodeEvent(Event, tag="episode"):
+    session_id: str  # "{traj_id}~{gateway incarnation}": a restarted gateway never takes an old agent's requests
+    url: str  # the session's OpenAI base URL: {gateway}/sessions/{session_id}/v1
+    task: str
+    pool: str
+    prompt: str
+    answer: str
+
+
 # rollout -> reward router (one event per finished sample)
 class TrajectoryEvent(Event, tag="traj"):
     traj_id: str  # "{group_id}:{sample}"
@@ -135,7 +145,8 @@ class MetricsEvent(Event, tag="metrics"):
     time: float = msgspec.field(default_factory=time.time)
 
 
-AnyEvent = JobEvent | GroupEvent | TrajectoryEvent | ScoredEvent | WeightsPublishedEvent | MetricsEvent
+AnyEvent = (JobEvent | GroupEvent | EpisodeEvent | TrajectoryEvent | ScoredEvent | WeightsPublishedEvent
+            | MetricsEvent)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyEvent)

@@ -4,6 +4,7 @@ A job's names are short: the bus puts them under `jetroll:{job_id}:`. The job qu
 
     stream            event               written by          read by (group)
     groups:{pool}     GroupEvent          controller          rollout workers of the pool ("rollout")
+    episodes:{pool}   EpisodeEvent        rollout (gateway)   environment workers of the pool ("env")
     traj:raw          TrajectoryEvent     rollout             reward router ("reward")
     traj:scored       ScoredEvent         reward router       trainer ("trainer")
     weights           WeightsPublished    trainer             rollout, controller (tailed, no group)
@@ -27,6 +28,11 @@ class Stream:
 def groups_stream(pool: str) -> Stream:
     """A rollout pool's admitted groups: each pool's workers read only their own."""
     return Stream(f"groups:{pool}", "rollout")
+
+
+def episodes_stream(pool: str) -> Stream:
+    """A pool's agent episodes, each to run against its gateway session: the pool's environment workers read them."""
+    return Stream(f"episodes:{pool}", "env")
 
 
 TRAJ_RAW = Stream("traj:raw", "reward")

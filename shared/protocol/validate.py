@@ -19,6 +19,7 @@ from jetroll.shared.protocol.bus import EventCheck
 from jetroll.shared.protocol.events import (
     AnyEvent,
     Array,
+    EpisodeEvent,
     GroupEvent,
     MetricsEvent,
     ScoredEvent,
@@ -73,6 +74,18 @@ def check_group(event: GroupEvent, limits: EventLimits) -> str | None:
             or _check_range("max_new_tokens", event.max_new_tokens, 1, limits.max_new_tokens)
             or _check_range("v_adm", event.v_adm, 0, limits.max_version)
             or _check_range("min_version", event.min_version, 0, limits.max_version))
+
+
+def check_episode(event: EpisodeEvent, limits: EventLimits) -> str | None:
+    """An environment worker's work item: an agent task of the job, and a session URL on http."""
+    if event.task not in limits.tasks:
+        return f"task {event.task!r} is not one of the job's tasks {sorted(limits.tasks)}"
+    if event.pool not in limits.pools:
+        return f"pool {event.pool!r} is not one of the job's pools {sorted(limits.pools)}"
+    if not (event.url.startswith("http://") or event.url.startswith("https://")) or not event.url.endswith(
+            f"/sessions/{event.session_id}/v1"):
+        return f"url {event.url!r} is not an http URL of session {event.session_id!r}"
+    return None
 
 
 def check_trajectory(event: TrajectoryEvent, limits: EventLimits, newest_version: int | None = None) -> str | None:

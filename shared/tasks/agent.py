@@ -8,7 +8,7 @@ the reward router reads from the trajectory. An agent that raises, or runs past 
 env status `error` or `timeout`: its group is dropped and counted, never given a reward of 0.
 
 Problems come from a JSONL file (a dataset task's splits: by hash on the question), and the warm start from the
-rows' demonstrations: a transcript in OpenAI's message format and the tools it used, rendered by the bridge rule of
+rows' demonstrations (a transcript in OpenAI's message format) with the agent's tools, rendered by the bridge rule of
 shared/model/transcript.py, so the base model learns turns in the layout the gateway will give it.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import random
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,6 +31,8 @@ from jetroll.shared.tasks.base import Problem, import_path
 from jetroll.shared.tasks.dataset import DatasetError, DatasetTask, shard_files
 
 EXTRA = "agents need the `agents` extra: pip install 'jetroll[agents]'"
+for _name in ("httpx", "httpx2"):  # the openai client's HTTP library logs every request at INFO
+    logging.getLogger(_name).setLevel(logging.WARNING)
 ENV_REWARD = "env"  # a task whose reward is this is scored by its environment's (its agent's) own reward
 
 
@@ -101,7 +104,7 @@ class AgentTask:
     question_field: str = "question"
     answer_field: str = "answer"
     demonstration_field: str = "messages"  # a transcript in OpenAI's message format, assistant turns included
-    tools_field: str = "tools"  # the tools the demonstration used (absent: none)
+    demonstration_tools: str | None = None  # module:NAME of the tools the demonstrations used (the agent's)
     max_new_tokens: int = 96  # the session's budget: sampled turns and the rendered messages between them
     timeout_s: float = 30.0  # the agent's whole episode, and its session's deadline
     seed: int = 0
@@ -121,8 +124,17 @@ class AgentTask:
         return found
 
     @cached_property
-    def demonstrations(self) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
-        """question -> (messages, tools) of every row with a demonstration."""
+    def tools(self) -> list[dict[str, Any]] | None:
+        if self.demonstration_tools is None:
+            return None
+        found = import_path(self.demonstration_tools, "demonstration_tools")
+        if not (isinstance(found, list) and all(isinstance(t, dict) for t in found)):
+            raise ValueError(f"demonstration_tools {self.demonstration_tools!r} is not a list of tool specs")
+        return found
+
+    @cached_property
+    def demonstrations(self) -> dict[str, list[dict[str, Any]]]:
+        """question -> the messages of every row with a demonstration."""
         shown = {}
         for path in shard_files(self.path):
             for number, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -135,11 +147,11 @@ class AgentTask:
                 if not (isinstance(messages, list) and messages and messages[-1].get("role") == "assistant"):
                     raise DatasetError(f"{path}:{number}: {self.demonstration_field!r} must be a list of messages "
                                        "that ends with an assistant turn")
-                shown[str(row[self.question_field])] = (messages, row.get(self.tools_field))
+                shown[str(row[self.question_field])] = messages
         return shown
 
     def fingerprint(self) -> str:
-        return self.problems.fingerprint() + f":{self.demonstration_field}:{self.tools_field}"
+        return self.problems.fingerprint() + f":{self.demonstration_field}:{json.dumps(self.tools)}"
 
     def sample(self, rng: random.Random, index: int) -> Problem:
         return self.problems.sample(rng, index)
@@ -163,7 +175,7 @@ class AgentTask:
     def sft_example(self, problem: Problem, tokenizer: Tokenizer) -> tuple[list[int], list[int], list[bool]]:
         """(prompt ids, completion ids, which completion ids are trained): the demonstration as the gateway would
         have built it, each assistant turn tokenized as the template renders it, up to and with its end token."""
-        messages, tools = self.demonstrations[problem.prompt]
+        messages, tools = self.demonstrations[problem.prompt], self.tools
         template = tokenizer.chat_template
         assert template is not None, "an agent task's model has a chat template (the config checks it)"
         first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")

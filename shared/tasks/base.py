@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -146,7 +148,10 @@ class DrawnTask:
 
 def import_path(path: str, what: str) -> Any:
     """A user's object from `module:name` (an adapter class, an agent), or a ValueError that says which part is
-    missing."""
+    missing. Like `python -m`, the module is looked up in the current directory too (the services run where the
+    job was started)."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     module_name, _, name = path.partition(":")
     if not module_name or not name:
         raise ValueError(f"{what} {path!r}: expected module:name")

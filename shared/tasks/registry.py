@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jetroll.shared.tasks.agent import AgentTask
 from jetroll.shared.tasks.arithmetic import ArithmeticTask
 from jetroll.shared.tasks.base import Task
 from jetroll.shared.tasks.calculator import CalculatorTask
@@ -22,11 +23,11 @@ def register_task(task: Task) -> Task:
     return task
 
 
-def register_configured(task: DatasetTask | GymTask | ReasoningGymTask) -> None:
+def register_configured(task: DatasetTask | GymTask | ReasoningGymTask | AgentTask) -> None:
     """Register a task a job config describes (a dataset's, an environment's). It replaces an earlier
     configured task of its name (the last config validated in a process wins), never a built-in task."""
     existing = TASKS.get(task.name)
-    if existing is not None and not isinstance(existing, DatasetTask | GymTask | ReasoningGymTask):
+    if existing is not None and not isinstance(existing, DatasetTask | GymTask | ReasoningGymTask | AgentTask):
         raise ValueError(f"task {task.name!r}: a built-in task has that name")
     if existing != task:
         TASKS[task.name] = task

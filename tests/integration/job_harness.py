@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "configs" / "smoke.yaml"
 JOB_TIMEOUT_S = 180.0
 # replicas: the Ray launcher's; reward:celery:*: the Celery backend's idempotency records, which expire
-JOB_KEYS = {"groups:default", "traj:raw", "traj:scored", "metrics", "weights", "dlq", "ledger", "ledger:totals",
-            "seen:reward", "in_flight", "num_admitted", "replicas", "reward:celery:*"}
+JOB_KEYS = {"groups:default", "episodes:default", "traj:raw", "traj:scored", "metrics", "weights", "dlq", "ledger",
+            "ledger:totals", "seen:reward", "in_flight", "num_admitted", "replicas", "reward:celery:*"}
 
 
 @dataclass

@@ -1,0 +1,51 @@
+"""tasks: a `kind: agent` entry, a user's OpenAI-client agent as a task (shared/tasks/agent.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jetroll.shared.config.base import TaskMixEntry
+from jetroll.shared.tasks.agent import EXTRA, AgentTask
+
+
+class AgentTaskConfig(TaskMixEntry):
+    """An agent program trained through the gateway (`kind: agent`; needs the `agents` extra and a model with a
+    chat template). Its reward is the agent's own."""
+
+    kind: Literal["agent"] = Field(description="marks an agent task")
+    name: str = Field(min_length=1, description="the task's name in events, metrics and the pools' task lists")
+    agent: str = Field(pattern=r"^[\w.]+:\w+$", description="the agent, `module:function`: `async def "
+                       "run(problem, client: openai.AsyncOpenAI) -> AgentResult | float` (its reward in [0, 1])")
+    path: str = Field(min_length=1, description="JSONL problems: a question, its answer and, for the warm start, a "
+                      "demonstration (a transcript in OpenAI's message format) and the tools it used")
+    question_field: str = Field("question", min_length=1, description="the row's question (Problem.prompt)")
+    answer_field: str = Field("answer", min_length=1, description="the row's answer (Problem.answer)")
+    demonstration_field: str = Field("messages", min_length=1, description="the row's demonstration transcript")
+    demonstration_tools: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="the tools the "
+                                            "demonstrations used, `module:NAME` (a list of OpenAI function specs, "
+                                            "the agent's own); None: none")
+    max_new_tokens: int = Field(96, ge=1, description="a session's token budget after its first prompt: sampled "
+                                "turns and the messages rendered between them (capped by rollout.max_new_tokens)")
+    timeout_s: float = Field(30.0, gt=0, description="an episode's deadline: the agent's whole run, and its "
+                             "session's (past it: env status timeout, its group dropped and counted)")
+
+    @model_validator(mode="after")
+    def _runnable(self) -> AgentTaskConfig:
+        try:
+            import aiohttp  # noqa: F401
+            import openai  # noqa: F401
+        except ImportError:
+            raise ValueError(EXTRA) from None
+        task = agent_task(self, 0)
+        _ = task.agent, task.tools  # each imports now, or says why it cannot
+        return self
+
+
+def agent_task(entry: AgentTaskConfig, seed: int) -> AgentTask:
+    """The task a `kind: agent` entry describes (the config registers it as it validates)."""
+    return AgentTask(name=entry.name, agent_path=entry.agent, path=entry.path, question_field=entry.question_field,
+                     answer_field=entry.answer_field, demonstration_field=entry.demonstration_field,
+                     demonstration_tools=entry.demonstration_tools, max_new_tokens=entry.max_new_tokens,
+                     timeout_s=entry.timeout_s, seed=seed)
