@@ -25,8 +25,8 @@ COPY functions/ functions/
 RUN set -eux; \
     case "${TORCH_VARIANT}" in \
       cpu) python3 -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"; \
-           python3 -m pip install . ;; \
-      gpu) python3 -m pip install "torch==${TORCH_VERSION}" ".[gpu]" ;; \
+           python3 -m pip install ".[agents]" ;; \
+      gpu) python3 -m pip install "torch==${TORCH_VERSION}" ".[gpu,agents]" ;; \
       *) echo "TORCH_VARIANT must be cpu or gpu, got ${TORCH_VARIANT}" >&2; exit 1 ;; \
     esac; \
     jetroll --help > /dev/null

@@ -27,13 +27,15 @@ from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.engine.evaluate import accuracy_on
 from jetroll.shared.errors import WarmStartError
 from jetroll.shared.model.args import ModelArgs
-from jetroll.shared.model.chat import PromptFormat
+from jetroll.shared.model.chat import PromptFormat, render_chat
 from jetroll.shared.model.checkpoint import load_state, save_pretrained
 from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, build_char_tokenizer, load_tokenizer
+from jetroll.shared.model.transcript import SENTINEL, Transcript
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.tasks.agent import AgentTask
+from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.gym_text import GymTask
@@ -45,6 +47,41 @@ RANDOM_INIT_FILE = "random_init.json"
 RANDOM_INIT_VERSION = 1  # bump when build_random_model's code changes the weights a config builds
 RECIPE_VERSION = 3  # bump when the build changes what a config builds (2: stop by accuracy; 3: byte-level tokenizer)
 IGNORE_INDEX = -100
+
+
+def demonstration_ids(task: AgentTask, problem: Problem, tokenizer: Tokenizer
+                      ) -> tuple[list[int], list[int], list[bool]]:
+    """An agent task's demonstration as the gateway would have built it (prompt ids, completion ids, which completion
+    ids are trained): each assistant turn tokenized as the template renders it, up to and with its end token, and
+    the messages between turns rendered by the bridge rule (shared/model/transcript.py)."""
+    messages, tools = task.demonstrations[problem.prompt], task.tools
+    template = tokenizer.chat_template
+    assert template is not None, "an agent task's model has a chat template (the config checks it)"
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    transcript = Transcript.start(template, tokenizer, messages[:first], tools)
+    index = first
+    while index < len(messages):
+        transcript.add_sampled(_turn_ids(tokenizer, template, messages[index], tools))
+        following = index + 1
+        while following < len(messages) and messages[following]["role"] != "assistant":
+            following += 1
+        if following > index + 1:
+            transcript.extend(transcript.messages[:index + 1] + messages[index + 1:following])
+        index = following
+    trained = [bool(m) for m in transcript.loss_mask[transcript.num_prompt:]]
+    return transcript.ids[:transcript.num_prompt], transcript.ids[transcript.num_prompt:], trained
+
+
+def _turn_ids(tokenizer: Tokenizer, template: str, message: dict[str, Any],
+              tools: list[dict[str, Any]] | None) -> list[int]:
+    """An assistant message as the policy samples it: the template's rendering of the turn, its end token included,
+    the template's text after that token excluded."""
+    special = tokenizer.special_tokens()
+    probe = [{"role": "user", "content": SENTINEL}]
+    before = render_chat(template, probe, special, tools=tools)
+    after = render_chat(template, [*probe, message], special, tools=tools, add_generation_prompt=False)
+    turn = after[len(before):]
+    return tokenizer.encode(turn[:turn.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)])
 
 
 def sft_batch(
@@ -63,7 +100,7 @@ def sft_batch(
         task = get_task(name)
         problem = task.sft_sample(rng)
         if isinstance(task, AgentTask):  # a demonstration, tokenized as the gateway would have
-            prompt, target, trained = task.sft_example(problem, tokenizer)
+            prompt, target, trained = demonstration_ids(task, problem, tokenizer)
             rows.append((prompt, target, [i if t else IGNORE_INDEX for i, t in zip(target, trained, strict=True)]))
             continue
         prompt = prompt_format.ids(problem)

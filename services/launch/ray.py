@@ -50,16 +50,18 @@ def _log_to_file(run_dir: Path, name: str) -> None:
 
 
 class ServiceActor:
-    """One service (trainer | reward) as a Ray actor. A failed service ends its process, so Ray restarts the actor
-    and retries `run` on it, up to `launch.max_restarts` times."""
+    """One service (trainer | reward | env, the last a pool's) as a Ray actor. A failed service ends its process, so
+    Ray restarts the actor and retries `run` on it, up to `launch.max_restarts` times."""
 
-    def __init__(self, kind: str, tree: dict[str, Any], redis_url: str, run_dir: str) -> None:
+    def __init__(self, kind: str, tree: dict[str, Any], redis_url: str, run_dir: str, pool: str | None = None,
+                 name: str | None = None) -> None:
         from jetroll.services.launch.entrypoints import prepare_process
 
-        self.kind, self.redis_url, self.run_dir = kind, redis_url, Path(run_dir)
+        self.kind, self.redis_url, self.run_dir, self.pool = kind, redis_url, Path(run_dir), pool
+        self.name = name or kind
         self.config = validate_config(tree)
         prepare_process(kind, self.config)
-        _log_to_file(self.run_dir, kind)
+        _log_to_file(self.run_dir, self.name)
         self.task: asyncio.Task | None = None
 
     async def run(self) -> None:
@@ -68,10 +70,11 @@ class ServiceActor:
         from jetroll.services.launch.entrypoints import service_main
 
         # a restarted service takes a new consumer name; the dead one's entries are reclaimed (XAUTOCLAIM)
-        consumer = self.kind
+        consumer = self.name
         if ray.get_runtime_context().was_current_actor_reconstructed:
-            consumer = f"{self.kind}-{os.getpid()}"
-        self.task = asyncio.create_task(service_main(self.kind, self.config, self.redis_url, consumer, self.run_dir))
+            consumer = f"{self.name}-{os.getpid()}"
+        self.task = asyncio.create_task(service_main(self.kind, self.config, self.redis_url, consumer, self.run_dir,
+                                                     self.pool))
         try:
             await self.task
         except asyncio.CancelledError:
@@ -199,6 +202,14 @@ class RayJob:
                 name=f"jetroll-{self.config.job_id}-{kind}", num_cpus=num_cpus, num_gpus=num_gpus,
                 max_restarts=launch.max_restarts, max_task_retries=-1,
             ).remote(kind, self.tree, self.redis_url, str(self.run_dir))
+        if self.config.has_agents:  # each pool's environment workers (agents mostly wait: a fraction of a CPU)
+            for pool in self.config.rollout.pools:
+                for i in range(pool.env_workers):
+                    name = f"env-{pool.name}-{i}"
+                    self.actors[name] = service_actor.options(
+                        name=f"jetroll-{self.config.job_id}-{name}", num_cpus=0.5, max_restarts=launch.max_restarts,
+                        max_task_retries=-1,
+                    ).remote("env", self.tree, self.redis_url, str(self.run_dir), pool.name, name)
         serve.start(proxy_location="Disabled")
         for pool in self.config.rollout.pools:
             resources: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}

@@ -96,7 +96,8 @@ class RolloutConfig(Strict):
                                  "or raised; still failing, the trajectory ends with that env_status (env_fail)")
     gateway_host: str = Field("127.0.0.1", min_length=1, description="agent tasks: where each rollout worker's "
                               "gateway listens, as environment workers reach it (a port is chosen per start); "
-                              "another machine's workers need an address of this one")
+                              "0.0.0.0 listens on every interface and is reached at the machine's own address "
+                              "(compose, Ray across nodes)")
 
     _engine_renamed = field_validator("engine", mode="before")(_renamed_engine)
 

@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import math
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -340,7 +341,9 @@ class Gateway:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # port 0: the one bound
-        self.url = f"http://{self.host}:{port}"
+        # bound to every interface, it is reached at this machine's address (a container's, in compose)
+        host = socket.gethostbyname(socket.gethostname()) if self.host == "0.0.0.0" else self.host
+        self.url = f"http://{host}:{port}"
         return self.url
 
     async def close(self) -> None:

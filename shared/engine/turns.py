@@ -14,14 +14,34 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from jetroll.shared.engine.interface import TurnEngine
 from jetroll.shared.engine.request import EnvResult, Request, has_room_after
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.tasks.base import Problem
-from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, TokenEnvironment, call_env
+from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, call_env
 
 log = logging.getLogger("jetroll.rollout")
+
+
+@runtime_checkable
+class TokenEnvironment(Protocol):
+    """An environment that speaks token ids, not text: an agent's gateway session (shared/engine/gateway.py). Its
+    reset gives the prompt's ids, its step reads the turn's sampled ids straight from the request, and it hears of
+    the episode's end, however it ended, so that it can answer a client still waiting."""
+
+    async def reset(self, problem: Problem) -> list[int]:
+        """The episode's prompt ids (they replace the request's)."""
+        ...
+
+    async def step_tokens(self, request: Request, turn_start: int) -> EnvStep:
+        """React to the turn in `request.output_ids[turn_start:]`; an observation comes as `observation_ids`."""
+        ...
+
+    def close(self, request: Request) -> None:
+        """The episode ended (its request is finished or its environment failed)."""
+        ...
 
 
 @dataclass(slots=True)

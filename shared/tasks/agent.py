@@ -24,9 +24,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from jetroll.shared.model.chat import render_chat
-from jetroll.shared.model.tokenizer import Tokenizer
-from jetroll.shared.model.transcript import SENTINEL, Transcript
 from jetroll.shared.tasks.base import Problem, import_path
 from jetroll.shared.tasks.dataset import DatasetError, DatasetTask, shard_files
 
@@ -170,40 +167,7 @@ class AgentTask:
         return rng.choice(train)
 
     def sft_completion(self, problem: Problem) -> str:
-        raise NotImplementedError("an agent's warm start is token ids, from sft_example")
-
-    def sft_example(self, problem: Problem, tokenizer: Tokenizer) -> tuple[list[int], list[int], list[bool]]:
-        """(prompt ids, completion ids, which completion ids are trained): the demonstration as the gateway would
-        have built it, each assistant turn tokenized as the template renders it, up to and with its end token."""
-        messages, tools = self.demonstrations[problem.prompt], self.tools
-        template = tokenizer.chat_template
-        assert template is not None, "an agent task's model has a chat template (the config checks it)"
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        transcript = Transcript.start(template, tokenizer, messages[:first], tools)
-        index = first
-        while index < len(messages):
-            transcript.add_sampled(self._turn_ids(tokenizer, template, messages[index], tools))
-            following = index + 1
-            while following < len(messages) and messages[following]["role"] != "assistant":
-                following += 1
-            if following > index + 1:
-                transcript.extend(transcript.messages[:index + 1] + messages[index + 1:following])
-            index = following
-        completion = transcript.ids[transcript.num_prompt:]
-        trained = [bool(m) for m in transcript.loss_mask[transcript.num_prompt:]]
-        return transcript.ids[:transcript.num_prompt], completion, trained
-
-    @staticmethod
-    def _turn_ids(tokenizer: Tokenizer, template: str, message: dict[str, Any],
-                  tools: list[dict[str, Any]] | None) -> list[int]:
-        """An assistant message as the policy samples it: the template's rendering of the turn, its end token
-        included, the template's text after that token excluded."""
-        special = tokenizer.special_tokens()
-        probe = [{"role": "user", "content": SENTINEL}]
-        before = render_chat(template, probe, special, tools=tools)
-        after = render_chat(template, [*probe, message], special, tools=tools, add_generation_prompt=False)
-        turn = after[len(before):]
-        return tokenizer.encode(turn[:turn.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)])
+        raise NotImplementedError("an agent's warm start is token ids: shared/warm_start.py's demonstration_ids")
 
 
 def is_agent(task: object) -> bool:

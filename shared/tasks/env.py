@@ -16,12 +16,9 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 from jetroll.shared.tasks.base import Problem, Task
-
-if TYPE_CHECKING:
-    from jetroll.shared.engine.request import Request
 
 EnvStatus = Literal["ok", "timeout", "error"]
 T = TypeVar("T")
@@ -35,7 +32,7 @@ class EnvStep:
     observation: str = ""
     done: bool = False
     reward: float | None = None  # the environment's own reward, usually only on the final step
-    observation_ids: list[int] | None = None  # a token environment's observation, as ids (then `observation` is "")
+    observation_ids: list[int] | None = None  # a token environment's (shared/engine/turns.py), as ids
 
 
 @runtime_checkable
@@ -49,25 +46,6 @@ class Environment(Protocol):
 
     async def step(self, turn: str) -> EnvStep:
         """React to one model turn."""
-        ...
-
-
-@runtime_checkable
-class TokenEnvironment(Protocol):
-    """An environment that speaks token ids, not text: an agent's gateway session (shared/engine/gateway.py). Its
-    reset gives the prompt's ids, its step reads the turn's sampled ids straight from the request, and it hears of
-    the episode's end, however it ended, so that it can answer a client still waiting."""
-
-    async def reset(self, problem: Problem) -> list[int]:
-        """The episode's prompt ids (they replace the request's)."""
-        ...
-
-    async def step_tokens(self, request: Request, turn_start: int) -> EnvStep:
-        """React to the turn in `request.output_ids[turn_start:]`; an observation comes as `observation_ids`."""
-        ...
-
-    def close(self, request: Request) -> None:
-        """The episode ended (its request is finished or its environment failed)."""
         ...
 
 

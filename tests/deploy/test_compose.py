@@ -71,7 +71,7 @@ def test_compose_file_matches_the_compose_spec() -> None:
 def test_every_jetroll_service_runs_a_real_jetroll_command(built: dict[str, dict[str, Any]],
                                                            dockerfile: DockerfileParser) -> None:
     assert json.loads(instructions(dockerfile, "ENTRYPOINT")[-1]) == ["jetroll"]
-    assert set(built) >= {"controller", "rollout", "reward", "celery-worker", "trainer"}
+    assert set(built) >= {"controller", "rollout", "reward", "celery-worker", "trainer", "env"}
     jetroll = [str(BIN / "jetroll")] if (BIN / "jetroll").exists() else JETROLL
     for name, svc in built.items():
         assert "entrypoint" not in svc, f"{name} must keep the image's ENTRYPOINT jetroll"
@@ -180,7 +180,7 @@ def test_the_stacks_job_config_fits_the_stack(compose: dict[str, Any], built: di
 
 def test_dockerfile_installs_the_project_as_a_non_root_user(dockerfile: DockerfileParser) -> None:
     runs = instructions(dockerfile, "RUN")
-    installs = [run for run in runs if re.search(r"pip install\b[^;&|]*\s\.(\s|;|$)", run)]
+    installs = [run for run in runs if re.search(r"pip install\b[^;&|]*\s\"?\.(\[[\w,-]+\])?\"?(\s|;|$)", run)]
     assert installs, f"no RUN installs the project with `pip install .`: {runs}"
     copied = " ".join(instructions(dockerfile, "COPY"))
     for path in ("pyproject.toml", "setup.py", "shared/", "services/", "functions/", "configs/"):
@@ -195,12 +195,12 @@ def test_dockerfile_has_a_gpu_variant_and_pyprojects_torch(dockerfile: Dockerfil
     args = dict(value.split("=", 1) for value in instructions(dockerfile, "ARG") if "=" in value)
     assert args.get("TORCH_VARIANT") == "cpu" and "BASE_IMAGE" in args
     install = next(run for run in instructions(dockerfile, "RUN") if "TORCH_VARIANT" in run)
-    assert "download.pytorch.org/whl/cpu" in install and '".[gpu]"' in install
+    assert "download.pytorch.org/whl/cpu" in install and '".[gpu,agents]"' in install and '".[agents]"' in install
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert f"torch=={args['TORCH_VERSION']}" in project["dependencies"]
     named = {extra for run in instructions(dockerfile, "RUN") for group in re.findall(r"\.\[([\w,-]+)\]", run)
              for extra in group.split(",")}
-    assert "gpu" in named
+    assert {"gpu", "agents"} <= named  # the env service runs agents: the openai client and the gateway's server
     assert named <= set(project["optional-dependencies"]), named - set(project["optional-dependencies"])
     assert any(pin.startswith("vllm==0.32.") for pin in project["optional-dependencies"]["gpu"])
 

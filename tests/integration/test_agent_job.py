@@ -6,9 +6,11 @@ worker or the rollout worker (its gateway) mid-run loses nothing and trains noth
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -44,7 +46,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start_agent_job(redis_url: str, tmp_path: Path, cache_dir: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def start(*overrides: str) -> Job:
+    def start(*overrides: str, env: dict[str, str] | None = None) -> Job:
         job_id = f"a{uuid.uuid4().hex[:8]}"
         run_dir = tmp_path / job_id
         hold_streams(redis_url, job_id, "traj:scored")
@@ -54,7 +56,8 @@ def start_agent_job(redis_url: str, tmp_path: Path, cache_dir: Path) -> Iterator
             cmd += ["--set", item]
         logs = {name: tmp_path / f"{job_id}.{name}" for name in ("stdout", "stderr")}
         with logs["stdout"].open("wb") as out, logs["stderr"].open("wb") as err:
-            process = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO)  # the agent imports from the repo
+            # the agent imports from the repository (and `env` may add a test module's directory)
+            process = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env={**os.environ, **(env or {})})
         jobs.append(Job(job_id, run_dir, process, logs))
         return jobs[-1]
 
@@ -114,7 +117,8 @@ def test_killing_an_environment_worker_or_the_gateway_mid_run_loses_nothing(
     job.wait_until(lambda: any(int(r["step"]) >= 2 for r in job.metrics()) or None, "step 2", timeout_s=300)
     kill_service(job, kind)
     assert job.wait(timeout_s=400) == 0, job.report()
-    check_summary(job, max_steps=steps, dead_letters=True)
+    summary = check_summary(job, max_steps=steps, dead_letters=True)
+    assert summary["mismatch_mean_abs_logprob"] <= 1e-5  # fp32 on the fast backend: mu is the trainer's log-prob
     totals = audit_ledger(redis_url, job.job_id, steps, groups_per_step=2, group_size=4)
     for status in totals.num_groups:  # a group is trained, or dropped by its episodes' env status
         assert status in ("trained", "dropped:env_fail"), totals
@@ -122,3 +126,21 @@ def test_killing_an_environment_worker_or_the_gateway_mid_run_loses_nothing(
         assert event.status in ("ok", "env_fail") and (event.reward is None) == (event.status == "env_fail")
     assert job.service_log(f"{kind}-default-0")  # the restarted one logged
 
+
+
+def test_an_agent_that_hangs_or_raises_is_counted_by_status_and_never_stalls_training(
+        redis_url: str, start_agent_job: Callable[..., Job]) -> None:
+    """One problem in four hangs (the session's 4 s deadline ends it `timeout`), one in four raises (`error`): their
+    groups are dropped and counted, never given a reward, and the job trains its steps on the others."""
+    steps = 3
+    job = start_agent_job(f"trainer.max_steps={steps}", "tasks.0.agent=agent_faults:flaky", "tasks.0.timeout_s=4",
+                          env={"PYTHONPATH": str(Path(__file__).parent)})
+    assert job.wait(timeout_s=300) == 0, job.report()
+    check_summary(job, max_steps=steps)
+    totals = audit_ledger(redis_url, job.job_id, steps, groups_per_step=2, group_size=4)
+    assert totals.num_groups.get("dropped:env_fail", 0) >= 2, totals
+    statuses = Counter(e.trajectory.env_status for e in agent_events(redis_url, job))
+    assert statuses["timeout"] >= 4 and statuses["error"] >= 4 and statuses["ok"] >= steps * 2 * 4, statuses
+    for event in agent_events(redis_url, job):
+        assert (event.status == "env_fail") == (event.trajectory.env_status != "ok")
+        assert (event.reward is None) == (event.status == "env_fail")
