@@ -124,7 +124,8 @@ def test_killing_an_environment_worker_or_the_gateway_mid_run_loses_nothing(
         assert status in ("trained", "dropped:env_fail"), totals
     for event in agent_events(redis_url, job):
         assert event.status in ("ok", "env_fail") and (event.reward is None) == (event.status == "env_fail")
-    assert job.service_log(f"{kind}-default-0")  # the restarted one logged
+    started = {"env": "running pool default's agents", "rollout": "agents' gateway at"}[kind]
+    assert job.service_log(f"{kind}-default-0").count(started) == 2  # killed once, restarted once
 
 
 
