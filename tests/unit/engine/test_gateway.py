@@ -289,3 +289,17 @@ def test_a_session_of_an_unknown_or_finished_id_and_a_gateway_without_a_template
     gateway.open("a:0", nothing, 10, 1.0)
     with pytest.raises(ValueError, match="already open"):
         gateway.open("a:0", nothing, 10, 1.0)
+
+
+def test_the_gateway_listens_where_rollout_gateway_host_says_and_is_reached_there() -> None:
+    async def main() -> tuple[str, int]:
+        gateway = Gateway(TOKENIZER, 64, 1.0, 1.0, host="localhost")
+        try:
+            url = await gateway.start()
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/health") as response:
+                return url, response.status
+        finally:
+            await gateway.close()
+
+    url, status = asyncio.run(main())
+    assert url.startswith("http://localhost:") and status == 200
