@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from jetroll.shared.numerics import Precision
 from jetroll.shared.tasks.agent import InlineAgents
 from jetroll.shared.tasks.base import Problem
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parents[3]
 TOKENIZER = load_tokenizer(REPO / "configs" / "models" / "bpe-agent")
 EOS = TOKENIZER.eos_id
@@ -39,14 +40,6 @@ CALL_TEXT = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*3
 # the model spells its call a character at a time: the canonical encoding of that text is other, fewer ids
 CALL_TURN = [i for char in CALL_TEXT for i in TOKENIZER.encode(char)] + [EOS]
 ANSWER_TURN = TOKENIZER.encode("The answer is 408.") + [EOS]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def tiny_model() -> CausalLM:
