@@ -54,7 +54,7 @@ def demonstration_ids(task: AgentTask, problem: Problem, tokenizer: Tokenizer
     """An agent task's demonstration as the gateway would have built it (prompt ids, completion ids, which completion
     ids are trained): each assistant turn tokenized as the template renders it, up to and with its end token, and
     the messages between turns rendered by the bridge rule (shared/model/transcript.py)."""
-    messages, tools = task.demonstrations[problem.prompt], task.tools
+    messages, tools = task.demonstration(problem), task.tools
     template = tokenizer.chat_template
     assert template is not None, "an agent task's model has a chat template (the config checks it)"
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")

@@ -16,10 +16,15 @@ class AgentTaskConfig(TaskMixEntry):
 
     kind: Literal["agent"] = Field(description="marks an agent task")
     name: str = Field(min_length=1, description="the task's name in events, metrics and the pools' task lists")
-    agent: str = Field(pattern=r"^[\w.]+:\w+$", description="the agent, `module:function`: `async def "
-                       "run(problem, client: openai.AsyncOpenAI) -> AgentResult | float` (its reward in [0, 1])")
-    path: str = Field(min_length=1, description="JSONL problems: a question, its answer and, for the warm start, a "
-                      "demonstration (a transcript in OpenAI's message format) and the tools it used")
+    agent: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="the agent, `module:function`: `async "
+                              "def run(problem, client: openai.AsyncOpenAI) -> AgentResult | float` (its reward in "
+                              "[0, 1]); or set environment instead")
+    environment: str | None = Field(None, min_length=1, description="instead of an agent: a multi-turn task of the "
+                                    "job or the registry (calculator, a gymnasium entry listed before this one), "
+                                    "played by the stock loop on the gateway, with its problems and solver turns")
+    max_turns: int = Field(8, ge=1, description="the stock loop's model turns (with environment)")
+    path: str | None = Field(None, min_length=1, description="with agent: JSONL problems, a question, its answer "
+                             "and, for the warm start, a demonstration (a transcript in OpenAI's message format)")
     question_field: str = Field("question", min_length=1, description="the row's question (Problem.prompt)")
     answer_field: str = Field("answer", min_length=1, description="the row's answer (Problem.answer)")
     demonstration_field: str = Field("messages", min_length=1, description="the row's demonstration transcript")
@@ -38,14 +43,30 @@ class AgentTaskConfig(TaskMixEntry):
             import openai  # noqa: F401
         except ImportError:
             raise ValueError(EXTRA) from None
-        task = agent_task(self, 0)
-        _ = task.agent, task.tools  # each imports now, or says why it cannot
+        if (self.agent is None) == (self.environment is None):
+            raise ValueError(f"agent task {self.name}: set exactly one of agent and environment")
+        if (self.agent is None) != (self.path is None):
+            raise ValueError(f"agent task {self.name}: path (the problems file) goes with agent; an environment "
+                             "brings its own problems")
+        if self.agent is not None:
+            task = agent_task(self, 0)
+            _ = task.agent, task.tools  # each imports now, or says why it cannot
         return self
 
 
 def agent_task(entry: AgentTaskConfig, seed: int) -> AgentTask:
-    """The task a `kind: agent` entry describes (the config registers it as it validates)."""
-    return AgentTask(name=entry.name, agent_path=entry.agent, path=entry.path, question_field=entry.question_field,
+    """The task a `kind: agent` entry describes (the config registers it as it validates, after the tasks listed
+    before it: an environment's task is looked up then)."""
+    environment = None
+    if entry.environment is not None:
+        from jetroll.shared.tasks.env import is_multi_turn
+        from jetroll.shared.tasks.registry import get_task
+
+        environment = get_task(entry.environment)
+        if not is_multi_turn(environment):
+            raise ValueError(f"agent task {entry.name}: environment {entry.environment!r} is not a multi-turn task")
+    return AgentTask(name=entry.name, agent_path=entry.agent, path=entry.path, environment=environment,
+                     max_turns=entry.max_turns, question_field=entry.question_field,
                      answer_field=entry.answer_field, demonstration_field=entry.demonstration_field,
                      demonstration_tools=entry.demonstration_tools, max_new_tokens=entry.max_new_tokens,
                      timeout_s=entry.timeout_s, seed=seed)

@@ -28,8 +28,9 @@ from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.numerics import Precision
-from jetroll.shared.tasks.agent import InlineAgents
+from jetroll.shared.tasks.agent import EnvAgent, InlineAgents
 from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.calculator import CalculatorTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parents[3]
@@ -296,3 +297,18 @@ def test_the_gateway_listens_where_rollout_gateway_host_says_and_is_reached_ther
 
     url, status = asyncio.run(main())
     assert url.startswith("http://localhost:") and status == 200
+
+
+def test_the_stock_loop_plays_a_reset_step_environment_through_the_chat_endpoint() -> None:
+    """An environment without an agent (the calculator's) on the gateway path: the stock loop sends the prompt, steps
+    each turn's content through the environment and sends its observation as the next user message."""
+
+    class CalculatorTurns(ScriptedEngine):
+        turns = [TOKENIZER.encode("call 12*34") + [EOS], TOKENIZER.encode("408") + [EOS]]
+
+    (request,), env = serve(EnvAgent(CalculatorTask().make_env, max_turns=4), engine_class=CalculatorTurns)
+    assert env[request.request_id] == EnvResult("ok", 1.0)  # the environment's own reward, the trained one
+    observation = TOKENIZER.encode("\n<|im_start|>user\n= 408\n<|im_end|>\n<|im_start|>assistant\n")
+    assert request.output_ids == CalculatorTurns.turns[0] + observation + CalculatorTurns.turns[1]
+    assert request.prompt_ids == TOKENIZER.encode(render_chat(
+        TOKENIZER.chat_template, [{"role": "user", "content": PROBLEM.prompt}], TOKENIZER.special_tokens()))

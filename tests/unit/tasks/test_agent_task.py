@@ -14,6 +14,7 @@ from jetroll.shared.config.job import validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.chat import render_chat
 from jetroll.shared.model.tokenizer import load_tokenizer
+from jetroll.shared.tasks.agent import EnvAgent
 from jetroll.shared.tasks.registry import get_task
 from jetroll.shared.warm_start import IGNORE_INDEX, demonstration_ids, sft_batch
 
@@ -49,7 +50,7 @@ def test_a_demonstration_is_the_gateways_tokens_with_only_the_assistants_trained
     problem = task.sft_sample(random.Random(0))
     prompt, completion, trained = demonstration_ids(task, problem, TOKENIZER)
     tools = task.tools
-    messages = task.demonstrations[problem.prompt]
+    messages = task.demonstration(problem)
     assert prompt == TOKENIZER.encode(render_chat(TOKENIZER.chat_template, messages[:1], TOKENIZER.special_tokens(),
                                                   tools=tools))
     # the whole transcript is the template's rendering of the demonstration, tokenized a turn at a time
@@ -71,3 +72,30 @@ def test_every_pool_runs_its_environment_workers_when_the_job_has_agents(tmp_pat
     assert {s.pool for s in services if s.kind == "env"} == {"a", "b"}
     plain = validate_config({"rollout": {"pools": [{"name": "a", "env_workers": 2}]}})
     assert not [s for s in Launcher(plain, tmp_path, "redis://127.0.0.1:1/0").services if s.kind == "env"]
+
+
+def test_an_environment_without_an_agent_is_an_agent_task_played_by_the_stock_loop() -> None:
+    config = validate_config({"model": {"tokenizer": BPE_AGENT, "chat_template": True},
+                              "tasks": [{"kind": "agent", "name": "calc_chat", "environment": "calculator",
+                                         "max_turns": 3}]})
+    task, calculator = get_task("calc_chat"), get_task("calculator")
+    assert isinstance(task.agent, EnvAgent) and task.agent.max_turns == 3 and task.reward == "env"
+    rng = random.Random(1)
+    assert task.sample(rng, 1) == calculator.sample(random.Random(1), 1)  # the environment's own problems
+    assert task.heldout(5) == calculator.heldout(5)
+    problem = next(p for p in calculator.heldout(50) if len(calculator.sft_turns(p)) == 2)  # one that calls the tool
+    expression, answer = problem.prompt.removesuffix("="), problem.answer
+    assert task.demonstration(problem) == [
+        {"role": "user", "content": problem.prompt}, {"role": "assistant", "content": f"call {expression}"},
+        {"role": "user", "content": f"= {answer}\n"}, {"role": "assistant", "content": answer}]
+    _, completion, trained = demonstration_ids(task, problem, TOKENIZER)
+    sampled = [t for t, k in zip(completion, trained, strict=True) if k]
+    decoded = TOKENIZER.backend.decode(sampled, skip_special_tokens=False)
+    assert decoded == f"call {expression}<|im_end|>{answer}<|im_end|>"
+    assert config.has_agents
+    for bad, needle in [({"environment": "calculator", "agent": "examples.calculator_agent:run"}, "exactly one"),
+                        ({"environment": "arithmetic"}, "not a multi-turn task"),
+                        ({"environment": "calculator", "path": "data/agent_calc.jsonl"}, "path")]:
+        with pytest.raises(ConfigError, match=needle):
+            validate_config({"model": {"tokenizer": BPE_AGENT, "chat_template": True},
+                             "tasks": [{"kind": "agent", "name": "calc_chat", **bad}]})
