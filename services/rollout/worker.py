@@ -9,6 +9,7 @@ is published to the pool's environment workers, whose agents talk to it over HTT
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -47,7 +48,7 @@ from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, episode
 from jetroll.shared.protocol.validate import EventLimits, check_group, expecting
 from jetroll.shared.rl.admission import in_flight_slack
 from jetroll.shared.store.base import WeightStore, WeightStoreError, encode_manifest
-from jetroll.shared.tasks.agent import is_agent
+from jetroll.shared.tasks.agent import AgentTask
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import FlakyEnv, is_multi_turn
 from jetroll.shared.tasks.registry import get_task
@@ -287,8 +288,8 @@ class RolloutWorker:
         max_new = min(group.max_new_tokens, self.engine.max_len - len(prompt_ids))
         self.groups[group.group_id] = InFlightGroup(group, entry_id, group.group_size)
         task = get_task(group.task)
-        if is_agent(task):
-            await self._start_sessions(group, prompt_ids, max_new)
+        if isinstance(task, AgentTask):
+            await self._start_sessions(group, task, prompt_ids, max_new)
             return
         is_episode = self.turns is not None and is_multi_turn(task)
         turn_end_id = self.tokenizer.encode(task.turn_end)[0] if is_episode and self.tokenizer else None
@@ -306,7 +307,7 @@ class RolloutWorker:
                                random.Random(f"{self.config.seed}:{request.request_id}"))
             self.turns.start(request, env, Problem(group.prompt, group.answer))
 
-    async def _start_sessions(self, group: GroupEvent, prompt_ids: list[int], max_new: int) -> None:
+    async def _start_sessions(self, group: GroupEvent, task: AgentTask, prompt_ids: list[int], max_new: int) -> None:
         """An agent group: one gateway session per sample, each published to the pool's environment workers; a
         sample's request joins the engine with its agent's first request (the group's prompt ids stand in until
         then)."""
@@ -323,17 +324,14 @@ class RolloutWorker:
             episodes = episodes_stream(self.pool.name)
             await self.bus.ensure_group(episodes.name, episodes.group)
             log.info("%s: agents' gateway at %s", self.consumer, self.gateway.url)
-        timeout_s = get_task(group.task).timeout_s  # type: ignore[attr-defined]
+        publish = functools.partial(self._publish_episode, group)
         for i in range(group.group_size):
             request = Request(f"{group.group_id}:{i}", prompt_ids, max_new, self.config.rollout.temperature,
                               self.config.rollout.top_p, turn_end_id=self.tokenizer.eos_id)
-            session = self.gateway.open(f"{request.request_id}~{self.incarnation}", self._publish_episode, max_new,
-                                        timeout_s)
+            session = self.gateway.open(f"{request.request_id}~{self.incarnation}", publish, max_new, task.timeout_s)
             self.turns.start(request, session, Problem(group.prompt, group.answer))
 
-    async def _publish_episode(self, session: Session, problem: Problem) -> None:
-        traj_id = session.session_id.rsplit("~", 1)[0]
-        group = self.groups[traj_id.rsplit(":", 1)[0]].event
+    async def _publish_episode(self, group: GroupEvent, session: Session, problem: Problem) -> None:
         await self.bus.publish(episodes_stream(self.pool.name).name, EpisodeEvent(
             job_id=self.config.job_id, session_id=session.session_id, url=session.url, task=group.task,
             pool=self.pool.name, prompt=problem.prompt, answer=problem.answer))

@@ -77,11 +77,9 @@ def check_group(event: GroupEvent, limits: EventLimits) -> str | None:
 
 
 def check_episode(event: EpisodeEvent, limits: EventLimits) -> str | None:
-    """An environment worker's work item: an agent task of the job, and a session URL on http."""
-    if event.task not in limits.tasks:
-        return f"task {event.task!r} is not one of the job's tasks {sorted(limits.tasks)}"
-    if event.pool not in limits.pools:
-        return f"pool {event.pool!r} is not one of the job's pools {sorted(limits.pools)}"
+    """An environment worker's work item: a task and pool of the job, and a session URL on http."""
+    if problem := _check_task_and_pool(event.task, event.pool, limits):
+        return problem
     if not (event.url.startswith("http://") or event.url.startswith("https://")) or not event.url.endswith(
             f"/sessions/{event.session_id}/v1"):
         return f"url {event.url!r} is not an http URL of session {event.session_id!r}"
@@ -161,11 +159,17 @@ def check_metrics(event: MetricsEvent, limits: EventLimits) -> str | None:
     return None
 
 
-def _check_header(task: str, pool: str, group_size: int, limits: EventLimits) -> str | None:
+def _check_task_and_pool(task: str, pool: str, limits: EventLimits) -> str | None:
     if task not in limits.tasks:
         return f"task {task!r} is not one of the job's tasks {sorted(limits.tasks)}"
     if pool not in limits.pools:
         return f"pool {pool!r} is not one of the job's pools {sorted(limits.pools)}"
+    return None
+
+
+def _check_header(task: str, pool: str, group_size: int, limits: EventLimits) -> str | None:
+    if problem := _check_task_and_pool(task, pool, limits):
+        return problem
     if group_size != limits.group_size:
         return f"group_size {group_size} is not the job's {limits.group_size}"
     return None

@@ -186,11 +186,16 @@ class AgentTask:
     def sft_sample(self, rng: random.Random) -> Problem:
         if self.environment is not None:
             return self.environment.sft_sample(rng)
+        return rng.choice(self.demonstrated)
+
+    @cached_property
+    def demonstrated(self) -> list[Problem]:
+        """The training problems that have a demonstration (the warm start draws from them, every example)."""
         train = [p for p in self.problems.rows.train if p.prompt in self.demonstrations]
         if not train:
             raise DatasetError(f"agent task {self.name}: no training row of {self.path} has a "
                                f"{self.demonstration_field!r} demonstration to warm-start on")
-        return rng.choice(train)
+        return train
 
     def sft_completion(self, problem: Problem) -> str:
         raise NotImplementedError("an agent's warm start is token ids: shared/warm_start.py's demonstration_ids")
@@ -225,10 +230,6 @@ class EnvAgent:
                 break
             messages.append({"role": "user", "content": step.observation})
         return AgentResult(reward)
-
-
-def is_agent(task: object) -> bool:
-    return isinstance(task, AgentTask)
 
 
 class InlineAgents:
