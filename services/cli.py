@@ -54,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--force", action="store_true", help="rebuild even if cached")
 
     score = sub.add_parser("eval", help="score a finished job's published weights again on its tasks' held-out "
-                           "problems, as its controller did (more problems: a finer figure)")
+                           "problems, as its controller did (more problems: a finer figure), or on training problems")
     score.add_argument("run_dir", type=Path, help="the job's run dir (`jetroll run --run-dir`)")
     score.add_argument("--versions", help="comma-separated weight versions (default: those the job scored that its "
                        "store still holds)")
-    score.add_argument("--num-problems", type=int, help="held-out problems per task (default: the job's "
-                       "eval.num_problems)")
+    score.add_argument("--num-problems", type=int, help="problems per task (default: the job's eval.num_problems)")
+    score.add_argument("--split", choices=["heldout", "train"], default="heldout",
+                       help="score held-out problems (the job's figure), or a fixed draw of the training split: "
+                       "far higher accuracy there means the model learnt its problems, not the skill")
     score.add_argument("--json", action="store_true", help="print one JSON object")
 
     reference = sub.add_parser("config", help="every job config field: its type, default and description")
@@ -262,7 +264,7 @@ def _eval(args: argparse.Namespace) -> int:
     from jetroll.shared.engine.evaluate import score_run
 
     versions = None if args.versions is None else list(comma_ints(args.versions, "--versions"))
-    rows = asyncio.run(score_run(args.run_dir, versions, args.num_problems))
+    rows = asyncio.run(score_run(args.run_dir, versions, args.num_problems, args.split))
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "rows": rows}))
         return 0

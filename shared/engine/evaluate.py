@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jetroll.functions.runner import get_reward
 from jetroll.shared.config.job import JobConfig, validate_config
@@ -137,12 +138,24 @@ def score_model_dir(directory: Path, config: JobConfig, problems: dict[str, list
             for name, task_problems in problems.items()}
 
 
-async def score_run(run_dir: Path, versions: Sequence[int] | None = None,
-                    num_problems: int | None = None) -> list[dict[str, Any]]:
+def scoring_problems(task_name: str, split: Literal["heldout", "train"], n: int) -> list[Problem]:
+    """`n` problems of a task's held-out split, or a fixed draw of its training split (the problems a job trains
+    on come from it): far higher accuracy on training problems than on held-out ones means the model has learnt
+    its problems rather than the skill, which small procedural spaces invite."""
+    task = get_task(task_name)
+    if split == "heldout":
+        return task.heldout(n)
+    rng = random.Random(f"{task_name}-train-eval")
+    return [task.sample(rng, index) for index in range(1, n + 1)]
+
+
+async def score_run(run_dir: Path, versions: Sequence[int] | None = None, num_problems: int | None = None,
+                    split: Literal["heldout", "train"] = "heldout") -> list[dict[str, Any]]:
     """`jetroll eval`: score a job's published weight versions again, as its controller scored them (its config's
-    tasks, prompt format and precision; the store its config names), on `num_problems` held-out problems per task
-    (default: the job's eval.num_problems). Default versions: those the job scored (eval.jsonl) that its store still
-    holds, else the newest. One row per version: its accuracy per task and how many problems each task had."""
+    tasks, prompt format and precision; the store its config names), on `num_problems` problems per task (default:
+    the job's eval.num_problems) of the `split` (`scoring_problems`). Default versions: those the job scored
+    (eval.jsonl) that its store still holds, else the newest. One row per version: its accuracy per task and how
+    many problems each task had."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{run_dir} holds no config.json: not a jetroll run dir (`jetroll run --run-dir`)")
@@ -162,7 +175,7 @@ async def score_run(run_dir: Path, versions: Sequence[int] | None = None,
     missing = sorted(set(versions) - set(held))
     if missing:
         raise ConfigError(f"{run_dir}: the job's store no longer holds version(s) {missing}; it holds {held}")
-    problems = {t.name: get_task(t.name).heldout(num_problems) for t in config.tasks}
+    problems = {t.name: scoring_problems(t.name, split, num_problems) for t in config.tasks}
     rows = []
     for version in versions:
         started = time.perf_counter()

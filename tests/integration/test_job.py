@@ -181,6 +181,10 @@ def check_rescore(job: Job, evals: list[dict]) -> None:
                             "--num-problems", "60"], capture_output=True, text=True, timeout=300, check=True)
     (row,) = json.loads(wider.stdout)["rows"]
     assert row["version"] == held[-1] and row["num_problems"] == {"arithmetic": 60} and 0 <= row["arithmetic"] <= 1
+    trained = subprocess.run([*JETROLL, "eval", str(job.run_dir), "--json", "--versions", str(held[-1]),
+                              "--split", "train"], capture_output=True, text=True, timeout=300, check=True)
+    (row,) = json.loads(trained.stdout)["rows"]
+    assert row["num_problems"] == {"arithmetic": 20} and 0 <= row["arithmetic"] <= 1
     gone = min(set(range(held[-1])) - set(held))
     refused = subprocess.run([*JETROLL, "eval", str(job.run_dir), "--versions", str(gone)], capture_output=True,
                              text=True, timeout=300)

@@ -8,6 +8,7 @@ import string
 import pytest
 
 from jetroll.functions.runner import get_reward
+from jetroll.shared.engine.evaluate import scoring_problems
 from jetroll.shared.tasks.arithmetic import ArithmeticTask
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.count import CountTask
@@ -37,6 +38,19 @@ def test_probe_disjoint_from_training_and_heldout(name: str) -> None:
     assert set(probe).isdisjoint(task.heldout(2000))
     rng = random.Random(7)
     assert {task.sample(rng) for _ in range(50_000)}.isdisjoint(probe)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "calculator"])
+def test_jetroll_eval_split_train_scores_a_fixed_draw_of_training_problems(name: str) -> None:
+    """`jetroll eval --split train`: the same problems every time, drawn as the job draws its training problems,
+    none of them held out."""
+    task = get_task(name)
+    train = scoring_problems(name, "train", 300)
+    assert len(train) == 300 and scoring_problems(name, "train", 300) == train
+    assert {p.prompt for p in train}.isdisjoint(p.prompt for p in task.heldout(2000))
+    assert scoring_problems(name, "heldout", 50) == task.heldout(50)
+    rng = random.Random(f"{name}-train-eval")
+    assert train[:20] == [task.sample(rng, index) for index in range(1, 21)]
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "count"])
