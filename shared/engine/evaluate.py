@@ -179,7 +179,8 @@ async def score_run(run_dir: Path, versions: Sequence[int] | None = None, num_pr
     rows = []
     for version in versions:
         started = time.perf_counter()
-        accuracy = score_model_dir(await store.fetch(version), config, problems)
+        # a multi-turn task plays its episodes on an event loop of its own
+        accuracy = await asyncio.to_thread(score_model_dir, await store.fetch(version), config, problems)
         rows.append({"version": version, **accuracy, "num_problems": {n: len(p) for n, p in problems.items()}})
         print(f"jetroll eval: v{version}: {accuracy} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
               flush=True)

@@ -76,3 +76,14 @@ def test_frozenlake_job_end_to_end(redis_url: str, tmp_path: Path) -> None:
         if step is not None and step.done:
             assert traj.env_reward == event.reward
     assert num_moves > 1.5 * len(events), texts[:8]  # the warm-started model walks several steps an episode
+
+    # `jetroll eval` plays a multi-turn task's episodes again: the job's own figure on held-out maps, and training maps
+    evals = {e["version"]: e["frozenlake"] for e in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
+    for split in ("heldout", "train"):
+        again = subprocess.run([*JETROLL, "eval", str(run_dir), "--json", "--versions", "3", "--split", split],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        (row,) = json.loads(again.stdout)["rows"]
+        assert row["num_problems"] == {"frozenlake": 20}  # configs/smoke.yaml's eval.num_problems
+        if split == "heldout":
+            assert row["frozenlake"] == evals[3]
