@@ -31,6 +31,7 @@ from typing import Any
 
 from jetroll.services.bench.processes import run_job
 from jetroll.services.bench.resume import claim_run_dir
+from jetroll.services.bench.rows import read_jsonl
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
@@ -106,8 +107,8 @@ def run_cell(name: str, out: Path, overrides: list[str]) -> None:
 
 def read_cell(run: Path) -> dict[str, Any]:
     config = json.loads((run / "config.json").read_text())
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run / "metrics.jsonl")
+    evals = read_jsonl(run / "eval.jsonl")
     summary_json = json.loads((run / "summary.json").read_text())
     if len(rows) <= WARMUP_STEPS:
         raise RuntimeError(f"{run}: {len(rows)} steps; the bench measures the steps after the first {WARMUP_STEPS}")

@@ -19,7 +19,6 @@ mean max of its steps), which separates orchestration cost from sampling noise.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
+from jetroll.services.bench.rows import read_jsonl
 from jetroll.services.launch.local import Launcher
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.config.job import validate_config
@@ -150,7 +150,7 @@ def measure(scale: Scale, setting: Setting, timing: TimingEngineConfig, duration
     tree = job_tree(scale, setting, timing, model_path, run_dir)
     started = time.perf_counter()
     launch_job(tree, run_dir, redis_url)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     first, window = rows[scale.num_warmup_steps - 1], rows[scale.num_warmup_steps:]
     window_s = window[-1]["time_s"] - first["time_s"]
     ledger = read_ledger(redis_url, tree["job_id"])

@@ -22,6 +22,7 @@ from typing import Any
 
 from jetroll.services.bench.processes import run_job
 from jetroll.services.bench.resume import claim_run_dir
+from jetroll.services.bench.rows import read_jsonl
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
@@ -106,7 +107,7 @@ def run_cell(cell: dict[str, Any], out: Path, overrides: list[str]) -> None:
 
 def read_cell(cell: dict[str, Any], out: Path, wall_s: float) -> dict[str, Any]:
     summary = json.loads((out / "run" / "summary.json").read_text())
-    evals = [json.loads(line) for line in (out / "run" / "eval.jsonl").read_text().splitlines()]
+    evals = read_jsonl(out / "run" / "eval.jsonl")
     (base_dir,) = (out / "cache").glob("base-*")
     warm = json.loads((base_dir / "warmstart.json").read_text())
     base, final = summary["accuracy_before"], summary["accuracy_after"]

@@ -31,6 +31,7 @@ from typing import Any
 from jetroll.services.bench.learning import KERNELS, parse_seeds
 from jetroll.services.bench.processes import descendants, processes, stop_like_ctrl_c
 from jetroll.services.bench.resume import claim_run_dir
+from jetroll.services.bench.rows import read_jsonl
 from jetroll.services.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
 from jetroll.shared.errors import ConfigError, WarmStartError
@@ -152,7 +153,7 @@ def trl_thread_probe(kernel: str, kernel_dir: Path, base: Path, job: PeerJob, th
         (out / "spec.json").write_text(json.dumps(spec))
         command = [sys.executable, "-m", "jetroll.services.bench.trl_grpo", str(out / "spec.json")]
         run_logged(command, kernel_env(kernel, kernel_dir), out, out / "steps.jsonl")
-        clock = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+        clock = read_jsonl(out / "steps.jsonl")
         warm = clock[max(1, probe_steps // 4)]
         per_step[count] = (clock[-1]["wall_s"] - warm["wall_s"]) / (clock[-1]["step"] - warm["step"])
         print(f"bench peers: {kernel}: TRL with {count} threads: {per_step[count]:.4f} s/step", file=sys.stderr,
@@ -297,7 +298,7 @@ def read_jetroll(out: Path, samples: list[dict[str, Any]], eval_every: int, eval
 
     from jetroll.shared.store import setup_store
 
-    metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_jsonl(out / "run" / "metrics.jsonl")
     times = {row["step"]: row["time_s"] for row in metrics}
     run_config = validate_config(json.loads((out / "run" / "config.json").read_text()))
     store = setup_store(run_config.store, run_config.job_id, out / "run")
@@ -323,11 +324,11 @@ def read_jetroll(out: Path, samples: list[dict[str, Any]], eval_every: int, eval
 
 def read_trl(out: Path, samples: list[dict[str, Any]], eval_every: int, eval_problems: int, base: Path,
              config: JobConfig, thresholds: tuple[float, ...]) -> dict[str, Any]:
-    clock = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    clock = read_jsonl(out / "steps.jsonl")
     times = {row["step"]: row["wall_s"] for row in clock if row["step"] >= 1}
     snapshots = {int(p.name.removeprefix("step-")): p for p in (out / "snapshots").iterdir()}
     evals = evaluation(config, {0: base, **{s: p for s, p in snapshots.items() if s > 0}}, eval_problems)
-    logs = [json.loads(line) for line in (out / "logs.jsonl").read_text().splitlines()]
+    logs = read_jsonl(out / "logs.jsonl")
     lengths = [row["completions/mean_length"] for row in logs if "completions/mean_length" in row]
     row = _timing(times, evals, thresholds)
     completions = config.trainer.groups_per_step * config.trainer.group_size

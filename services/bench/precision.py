@@ -22,6 +22,7 @@ from typing import Any
 
 from jetroll.services.bench.async_ import launch_job
 from jetroll.services.bench.resume import claim_run_dir
+from jetroll.services.bench.rows import read_jsonl
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.trainer.mismatch import Growth, k3_growth
 from jetroll.shared.config.job import JobConfig, load_config
@@ -97,7 +98,7 @@ def run_one(tree: dict[str, Any], name: str, seed: int, model_path: str, out: Pa
 
 def read_run(out: Path, name: str, seed: int, config: JobConfig) -> dict[str, Any]:
     summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     growth = config.precision.mismatch.gate.growth
     measured = [r for r in rows if "mismatch/k3" in r]
     per_task = {}
