@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from jetroll.services.trainer.mismatch import Measure, MismatchSampler
-from jetroll.services.trainer.passes import PolicyPass, gradient_rows, policy_pass, reference_logp
+from jetroll.services.trainer.passes import PolicyPass, gradient_logp, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained, torch_device
 from jetroll.shared.model.model import CausalLM
@@ -34,9 +34,9 @@ class Actor:
         self.mismatch = MismatchSampler(self.model, config)
 
     def step(self, groups: list[PendingGroup], version: int) -> tuple[dict[str, float], Measure]:
-        """batch -> pi_prox -> advantages -> the corrected PPO loss -> one optimizer step, at the trainer's `version`
-        (the caller publishes). Returns the step's stats, and the call that measures its precision mismatch (the
-        commit makes it, off the critical path)."""
+        """batch -> pi_prox -> advantages -> the corrected PPO loss -> `updates_per_batch` optimizer steps, at the
+        trainer's `version` (the caller publishes). Returns the step's stats, and the call that measures its precision
+        mismatch (the commit makes it, off the critical path)."""
         cfg = self.config.trainer
         self.mismatch.keep(version, self.model)
         batch = collate(groups, self.tokenizer.pad_id, self.device)
@@ -53,12 +53,20 @@ class Actor:
         stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self.lr(version)}
         if policy.logp is not None:  # with no signal at all there is nothing to step on (not even Adam's momentum)
             rows, width = policy.rows, policy.width
-            loss, loss_stats = ppo_loss(
-                policy.logp, policy.prox_logp[rows, :width], batch.behavior_logp[rows, :width], advantages[rows],
-                loss_mask[rows, :width], cfg, denominator=self._loss_denominator(batch, loss_mask),
-                ref_logp=self._reference_logp(batch, rows, width), correction=self.config.precision,
-                entropy=policy.row_entropy)
-            stats |= loss_stats | self._optimizer_step(loss, stats["lr"])
+            prox_logp, behavior_logp = policy.prox_logp[rows, :width], batch.behavior_logp[rows, :width]
+            denominator = self._loss_denominator(batch, loss_mask)
+            ref_logp = self._reference_logp(batch, rows, width)
+            logp, row_entropy = policy.logp, policy.row_entropy
+            for update in range(cfg.updates_per_batch):
+                if update:  # the same rows again, at the weights the last update left
+                    logp, row_entropy = gradient_logp(self.model, batch, rows, width, self.tokenizer.pad_id)
+                    row_entropy = row_entropy if cfg.entropy_coef > 0 else None
+                loss, loss_stats = ppo_loss(logp, prox_logp, behavior_logp, advantages[rows], loss_mask[rows, :width],
+                                            cfg, denominator=denominator, ref_logp=ref_logp,
+                                            correction=self.config.precision, entropy=row_entropy)
+                # the last update's figures: its clip_frac says how far the updates moved from pi_prox
+                loss_stats |= self._optimizer_step(loss, stats["lr"])
+            stats |= loss_stats
         measure = self.mismatch.prepare(batch, policy.prox_logp, policy.scored, version)
         return stats | self._batch_stats(batch, policy), measure
 

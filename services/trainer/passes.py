@@ -179,12 +179,18 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
     if not len(rows):
         return PolicyPass(rows, 0, None, None, prox_logp, entropy, scored)
     width = policy_width(batch.loss_mask[rows])
-    hidden = group_hidden(model, batch, rows, width, pad_id)
-    logp, row_entropy = head_logprobs(model, hidden, batch.targets[rows, :width], batch.temperature[rows])
+    logp, row_entropy = gradient_logp(model, batch, rows, width, pad_id)
     if not is_exact:
         prox_logp[rows, :width] = logp.detach()
         entropy[rows, :width] = row_entropy.detach()
     return PolicyPass(rows, width, logp, row_entropy if entropy_grad else None, prox_logp, entropy, scored)
+
+
+def gradient_logp(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int,
+                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient pass: log-probs and token entropy [rows, width] of `rows` (whole groups), with grad."""
+    hidden = group_hidden(model, batch, rows, width, pad_id)
+    return head_logprobs(model, hidden, batch.targets[rows, :width], batch.temperature[rows])
 
 
 def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int,

@@ -12,7 +12,11 @@ from jetroll.shared.config.base import Strict
 class TrainerConfig(Strict):
     """Decoupled PPO with GRPO advantages on fp32 master weights."""
 
-    max_steps: int = Field(60, ge=1, description="optimizer steps; one weight version each")
+    max_steps: int = Field(60, ge=1, description="trainer steps, one batch and one weight version each")
+    updates_per_batch: int = Field(
+        1, ge=1, description="optimizer updates on each batch before its version is published (PPO epochs): the "
+        "ratio to pi_prox, the weights at the batch's start, is clipped in every update. More learning per sample "
+        "where the trainer waits on rollout anyway")
     groups_per_step: int = Field(16, ge=1, description="B: groups per optimizer step")
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate (the peak, under a cosine schedule)")

@@ -26,13 +26,14 @@ from trainer_harness import (
 
 from jetroll.services.trainer.mismatch import lowest_hashes
 from jetroll.services.trainer.passes import proximal_pass
+from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.dead_letters import DeadLetters
 from jetroll.shared.protocol.events import Array, GroupEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import TRAJ_SCORED
-from jetroll.shared.rl.batch import collate
+from jetroll.shared.rl.batch import PendingGroup, collate
 from jetroll.shared.tasks.registry import get_task
 
 
@@ -182,3 +183,34 @@ def test_a_group_whose_missing_sample_is_invalid_is_dropped(
     else:
         assert outcomes == {} and lag == 3  # the three held samples stay pending until their group trains
         assert len(trainer.intake.buffer.groups["g0"].samples) == 3
+
+
+def test_updates_per_batch_takes_that_many_clipped_updates_on_one_batch(
+    model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
+) -> None:
+    """`trainer.updates_per_batch`: from the same weights on the same on-policy batch, 1 and 3 optimizer updates at lr
+    3e-4. Adam counts 3 steps; the first update of each is on policy (ratio 1, nothing clipped) and the third
+    moves the ratio past the clip; and the three updates raise the advantage-weighted log-likelihood of the batch
+    more than one does."""
+    on_policy = tuple(tuple(1.0 for _ in row) for row in RATIOS)
+    events = events_with_ratios(make_trainer(model_dir, tmp_path / "probe", redis_url), on_policy)
+    advantages = torch.tensor([r - sum(rewards) / len(rewards) for rewards in REWARDS for r in rewards])
+    gain, stats = {}, {}
+    for updates in (1, 3):
+        trainer = make_trainer(model_dir, tmp_path / f"u{updates}", redis_url,
+                               trainer={"updates_per_batch": updates, "lr": 3e-4})
+        groups = groups_of(events)
+        before = _weighted_logp(trainer, groups, advantages)
+        stats[updates] = step(trainer, groups)
+        gain[updates] = _weighted_logp(trainer, groups, advantages) - before
+        adam_steps = {int(state["step"]) for state in trainer.actor.optimizer.state.values()}
+        assert adam_steps == {updates}
+    assert stats[1]["clip_frac"] == 0.0 < stats[3]["clip_frac"]
+    assert gain[3] > gain[1] > 0
+
+
+def _weighted_logp(trainer: Trainer, groups: list[PendingGroup], advantages: torch.Tensor) -> float:
+    """sum over rows of advantage x the row's log-likelihood under the trainer's current weights."""
+    batch = collate(groups, trainer.actor.tokenizer.pad_id)
+    logp, _ = proximal_pass(trainer.actor.model, batch.input_ids, batch.targets, batch.temperature)
+    return float(((logp * batch.loss_mask).sum(1) * advantages).sum())
