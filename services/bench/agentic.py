@@ -14,9 +14,12 @@ trajectories/s over the steps after the first `WARMUP_STEPS` (per task too), the
 environment set-up share and failures, each task's held-out success by version, and when the mean success over the
 tasks first reached the target.
 
-TRL's GRPOTrainer is not a column: its `environment_factory` drives an environment only through tool calls that the
-model writes in its chat template's tool syntax and TRL parses, while this job's environments take plain-text turns
-(`left`, `call 347*829`), so the same base and episodes cannot run there.
+- trl: TRL's GRPOTrainer on the same job (services/bench/trl_agentic.py): the same base, problems, environments,
+  faults, turn protocol and reward, through its `rollout_func`; a barrier loop in one process, which generates every
+  turn of a step's episodes in `model.generate` batches. It runs `trl_steps` steps (default: the job's); its
+  trajectories/s count every episode it trains on (a failed one too, at reward 0: TRL cannot drop a group), its
+  trainer idle fraction is the share of a step spent in the rollout, and its held-out success is jetroll's evaluation
+  of its weight snapshots, off its clock.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import os
 import shutil
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from jetroll.services.bench.peers import require_trl
 from jetroll.services.bench.processes import run_job
 from jetroll.services.bench.resume import claim_run_dir
 from jetroll.services.bench.rows import read_jsonl
@@ -39,8 +44,9 @@ from jetroll.shared.warm_start import ensure_base_model
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "agentic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/agentic")
-ARMS = ("pipeline", "barrier")
+ARMS = ("pipeline", "barrier", "trl")
 WARMUP_STEPS = 5  # start-up and the first versions' compiles are not the pipeline's rate
+TRL_THREADS = os.cpu_count() or 1  # TRL is one process: every core is its
 
 
 def arm_overrides(config: JobConfig, arm: str, is_flaky: bool) -> list[str]:
@@ -57,11 +63,13 @@ def arm_overrides(config: JobConfig, arm: str, is_flaky: bool) -> list[str]:
 
 
 def run_agentic_bench(seeds: int = 1, run_dir: Path | None = None, overrides: list[str] = (),
-                      max_steps: int | None = None, target: float | None = None) -> dict[str, Any]:
+                      max_steps: int | None = None, target: float | None = None,
+                      trl_steps: int | None = None) -> dict[str, Any]:
     run_dir = Path(run_dir or DEFAULT_RUN_DIR).expanduser().resolve()
     extra = [*overrides, f"model.cache_dir={run_dir / 'cache'}",
              *([f"trainer.max_steps={max_steps}"] if max_steps else [])]
     config = load_config(CONFIG, extra)  # a bad override fails here, before any cell runs
+    require_trl("agentic")
     if not any(getattr(task, "env_faults", None) for task in config.tasks):
         raise ConfigError("bench agentic: no task of the job has env_faults, so flaky on and off are the same job")
     claim_run_dir(run_dir, {"config": CONFIG.read_text(), "overrides": extra}, "agentic")
@@ -74,12 +82,18 @@ def run_agentic_bench(seeds: int = 1, run_dir: Path | None = None, overrides: li
             for arm in ARMS:
                 name = f"{arm}-{'flaky' if is_flaky else 'steady'}-s{seed}"
                 out = run_dir / name
-                if not (out / "row.json").exists():
+                if (out / "row.json").exists():
+                    pass
+                elif arm == "trl":
+                    run_trl_cell(name, out, base, [*extra, f"seed={seed}", *arm_overrides(config, arm, is_flaky)],
+                                 seed, trl_steps or config.trainer.max_steps, config)
+                else:
                     run_cell(name, out, [*extra, f"seed={seed}", *arm_overrides(config, arm, is_flaky)])
                 rows.append(json.loads((out / "row.json").read_text()) | {"arm": arm, "flaky": is_flaky,
                                                                            "seed": seed})
     result = {"config": {"config": str(CONFIG), "overrides": extra, "seeds": seeds, "run_dir": str(run_dir),
-                         "warmup_steps": WARMUP_STEPS},
+                         "warmup_steps": WARMUP_STEPS, "trl_steps": trl_steps or config.trainer.max_steps,
+                         "trl_threads": TRL_THREADS},
               "base": {"dir": str(base), "steps": warm["steps"], "probe": warm["probe_history"][-1][1]
                        if warm["probe_history"] else None},
               "versions": library_versions(), "rows": rows, "summary": summary(rows, target)}
@@ -103,6 +117,76 @@ def run_cell(name: str, out: Path, overrides: list[str]) -> None:
     (out / "row.json").write_text(json.dumps(row, indent=2))
     print(f"bench agentic: {name}: {row['trajectories_per_s']:.1f} trajectories/s, trainer idle "
           f"{row['trainer_idle_frac']:.0%}, {wall_s / 60:.1f} min", file=sys.stderr, flush=True)
+
+
+def run_trl_cell(name: str, out: Path, base: Path, overrides: list[str], seed: int, steps: int,
+                 config: JobConfig) -> None:
+    """TRL's arm from an empty directory, its steps timed, then its snapshots evaluated; the row only when done."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    every = config.eval.every_steps or steps
+    spec = {"config": str(CONFIG), "overrides": overrides, "base_dir": str(base), "out_dir": str(out), "seed": seed,
+            "steps": steps, "threads": TRL_THREADS, "snapshot_every": every}
+    (out / "spec.json").write_text(json.dumps(spec))
+    print(f"bench agentic: {name} ...", file=sys.stderr, flush=True)
+    commit = jetroll_commit()
+    command = [sys.executable, "-m", "jetroll.services.bench.trl_agentic", str(out / "spec.json")]
+    code, wall_s = run_job(command, os.environ.copy(), out / "job.log")
+    if code != 0:
+        raise RuntimeError(f"bench agentic cell {name} failed (exit {code}); see {out / 'job.log'}")
+    row = read_trl_cell(out, load_config(CONFIG, overrides)) | {"wall_s": round(wall_s, 1), "commit": commit,
+                                                                "overrides": overrides}
+    (out / "row.json").write_text(json.dumps(row, indent=2))
+    print(f"bench agentic: {name}: {row['trajectories_per_s']:.1f} trajectories/s, trainer idle "
+          f"{row['trainer_idle_frac']:.0%}, {wall_s / 60:.1f} min", file=sys.stderr, flush=True)
+
+
+def read_trl_cell(out: Path, config: JobConfig) -> dict[str, Any]:
+    """The TRL arm's row, in the fields of a jetroll cell's (`read_cell`)."""
+    from jetroll.shared.engine.evaluate import score_model_dir
+    from jetroll.shared.tasks.registry import get_task
+
+    clock = {row["step"]: row["wall_s"] for row in read_jsonl(out / "steps.jsonl")}
+    rollouts = read_jsonl(out / "rollouts.jsonl")  # one per batch, in order: batch i ends at step i
+    steps = max(clock)
+    if steps <= WARMUP_STEPS:
+        raise RuntimeError(f"{out}: {steps} steps; the bench measures the steps after the first {WARMUP_STEPS}")
+    window_s = clock[steps] - clock[WARMUP_STEPS]
+    measured = rollouts[WARMUP_STEPS:steps]
+    tasks = [task.name for task in config.tasks]
+    by_task = {t: sum(r["by_task"].get(t, 0) for r in measured) / window_s for t in tasks}
+    failed_calls = Counter[str]()
+    episodes, setup_share_sum = Counter[str](), Counter[str]()
+    for r in rollouts:
+        failed_calls.update(r["failed_calls"])
+        episodes.update(r["episodes"])
+        for how, share in r["setup_share"].items():
+            setup_share_sum[how] += share * r["episodes"][how]
+    pool = {f"env_episodes/{how}": float(n) for how, n in episodes.items()}
+    pool |= {f"env_failed_calls/{status}": float(n) for status, n in failed_calls.items()}
+    pool |= {f"env_setup_share/{how}": setup_share_sum[how] / n for how, n in episodes.items()}
+    problems = {t: get_task(t).heldout(config.eval.num_problems) for t in tasks}
+    evals = []
+    for directory in sorted((out / "snapshots").iterdir(), key=lambda d: int(d.name.split("-")[1])):
+        step = int(directory.name.split("-")[1])
+        evals.append({"version": step, "time_s": clock[step] - clock[0],
+                      **score_model_dir(directory, config, problems)})
+    first, last = evals[0], evals[-1]
+    return {
+        "steps": steps,
+        "trajectories_per_s": sum(by_task.values()),
+        "trajectories_per_s_by_task": by_task,
+        "step_s": window_s / (steps - WARMUP_STEPS),
+        "trainer_idle_frac": statistics.fmean(
+            r["rollout_s"] / (clock[i + 1] - clock[i]) for i, r in enumerate(rollouts[:steps]) if i >= WARMUP_STEPS),
+        "stale_wait_frac": 0.0,
+        "pools": {"trl": pool},
+        "evals": evals,
+        "accuracy_before_per_task": {t: first[t] for t in tasks},
+        "accuracy_after_per_task": {t: last[t] for t in tasks},
+        "groups_dropped": 0,
+        "dropped_by_status": {},
+    }
 
 
 def read_cell(run: Path) -> dict[str, Any]:
@@ -167,6 +251,7 @@ def summary(rows: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
                             "step_s": statistics.fmean(r["step_s"] for r in cells),
                             "time_to_target_s": times}
         setting["speedup"] = setting["pipeline"]["trajectories_per_s"] / setting["barrier"]["trajectories_per_s"]
+        setting["speedup_over_trl"] = setting["pipeline"]["trajectories_per_s"] / setting["trl"]["trajectories_per_s"]
         out["flaky" if is_flaky else "steady"] = setting
     pipeline = {flaky: [r for r in rows if r["arm"] == "pipeline" and r["flaky"] == flaky] for flaky in (True, False)}
     tasks = rows[0]["trajectories_per_s_by_task"]
@@ -194,4 +279,5 @@ def print_table(result: dict[str, Any]) -> None:
     console.print(table)
     s = result["summary"]
     console.print(f"pipeline over barrier: {s['flaky']['speedup']:.2f}x with the flaky environment, "
-                  f"{s['steady']['speedup']:.2f}x without; target {s['target']:.0%}")
+                  f"{s['steady']['speedup']:.2f}x without; over TRL: {s['flaky']['speedup_over_trl']:.2f}x and "
+                  f"{s['steady']['speedup_over_trl']:.2f}x; target {s['target']:.0%}")

@@ -188,11 +188,13 @@ def _agentic_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="override trainer.max_steps (a smoke test)")
     parser.add_argument("--target", type=float, help="the mean held-out success whose time is reported (default: "
                         "the base's mean plus 0.10)")
+    parser.add_argument("--trl-steps", type=int, help="steps of the TRL arm (default: the job's trainer.max_steps)")
     _overrides(parser, "configs/agentic.yaml in every cell")
 
 
 def _agentic_run(m: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
-    return m.run_agentic_bench(args.seeds, args.run_dir, args.overrides, args.max_steps, args.target)
+    return m.run_agentic_bench(args.seeds, args.run_dir, args.overrides, args.max_steps, args.target,
+                               args.trl_steps)
 
 
 BENCHES = {

@@ -47,12 +47,12 @@ OTHER_JOB_MAX_STEP_RATIO = 1 / 1.5
 SAMPLE_EVERY_S = 1.0
 
 
-def require_trl() -> None:
+def require_trl(bench: str = "peers") -> None:
     try:
         import datasets  # noqa: F401
         import trl  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"bench peers needs TRL, and {exc.name} does not import: pip install 'jetroll[peers]'") \
+        raise ConfigError(f"bench {bench} needs TRL, and {exc.name} does not import: pip install 'jetroll[peers]'") \
             from None
 
 

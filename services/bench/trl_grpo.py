@@ -10,8 +10,8 @@ run it:
 - the problems: the job's own draws (`Admission.draw`), groups 1 .. steps x B, in admission order
   (`shuffle_dataset=False`);
 - the reward: the task's reward function, by name;
-- one optimizer step per batch of B prompts x G samples, sampled fresh at the job's temperature over the whole
-  vocabulary (`top_p=1`, `top_k=0`);
+- `trainer.updates_per_batch` optimizer steps (TRL's `num_iterations`) per batch of B prompts x G samples, sampled
+  fresh at the job's temperature over the whole vocabulary (`top_p=1`, `top_k=0`);
 - Dr.GRPO (`loss_type="dr_grpo"`: the loss over batch x max_completion_length; `scale_rewards="none"`: r - mean),
   `beta` = the job's kl_coef, the job's clip bounds;
 - AdamW with the job's lr schedule per step (`trainer_lr` in a `LambdaLR`), weight decay and grad clip; fp32.
@@ -73,15 +73,18 @@ def completion_text(completion: str | list[dict[str, str]]) -> str:
     return completion if isinstance(completion, str) else completion[0]["content"]
 
 
-def grpo_settings(config: JobConfig, steps: int, seed: int, out_dir: Path) -> dict[str, Any]:
+def grpo_settings(config: JobConfig, steps: int, seed: int, out_dir: Path,
+                  max_completion_length: int) -> dict[str, Any]:
     """GRPOConfig's arguments: the job's algorithm (module docstring), nothing that reuses samples across steps."""
-    trainer, (task,) = config.trainer, config.tasks
+    trainer = config.trainer
     return {
-        "output_dir": str(out_dir), "seed": seed, "max_steps": steps, "num_train_epochs": 1,
+        "output_dir": str(out_dir), "seed": seed, "num_train_epochs": 1,
+        # TRL counts optimizer updates as steps: each batch is trained num_iterations times
+        "max_steps": steps * trainer.updates_per_batch, "num_iterations": trainer.updates_per_batch,
         "per_device_train_batch_size": trainer.groups_per_step * trainer.group_size,
         "num_generations": trainer.group_size, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
-        "num_iterations": 1, "shuffle_dataset": False,
-        "max_completion_length": config.rollout.sample_budget(get_task(task.name).max_new_tokens),
+        "shuffle_dataset": False,
+        "max_completion_length": max_completion_length,
         "temperature": config.rollout.temperature, "top_p": 1.0, "top_k": 0,
         "loss_type": "dr_grpo", "scale_rewards": "none", "beta": trainer.kl_coef,
         "epsilon": trainer.clip_eps, "epsilon_high": trainer.clip_eps_high,
@@ -111,6 +114,7 @@ def run(spec: dict[str, Any]) -> None:
         if trl_prompt_ids(tokenizer, row["prompt"]) != prompt_format.ids(problem):
             raise SystemExit(f"bench peers: TRL makes other prompt ids than jetroll's for {row['prompt']!r}")
     reward_fn = get_reward(get_task(config.tasks[0].name).reward)
+    budget = config.rollout.sample_budget(get_task(config.tasks[0].name).max_new_tokens)
 
     def reward(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float]:
         return [reward_fn(completion_text(c), a).reward for c, a in zip(completions, answer, strict=True)]
@@ -119,9 +123,9 @@ def run(spec: dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=config.trainer.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: trainer_lr(config.trainer, step) / config.trainer.lr)
-    clock = StepClock(out, base, snapshot_every)
+    clock = StepClock(out, base, snapshot_every, config.trainer.updates_per_batch)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, processing_class=tokenizer,
-                          args=GRPOConfig(**grpo_settings(config, steps, spec["seed"], out / "trl")),
+                          args=GRPOConfig(**grpo_settings(config, steps, spec["seed"], out / "trl", budget)),
                           train_dataset=Dataset.from_list(rows), optimizers=(optimizer, schedule),
                           callbacks=[clock])
     clock.snapshot(trainer.model, 0)
@@ -130,11 +134,12 @@ def run(spec: dict[str, Any]) -> None:
 
 
 class StepClock(TrainerCallback):
-    """Records each step's end and the logs, and every `snapshot_every`-th step's weights as an HF directory that
-    jetroll's evaluation loads."""
+    """Records each batch's end (TRL's step is an optimizer update: a batch takes `updates_per_batch`) and the logs,
+    and every `snapshot_every`-th batch's weights as an HF directory that jetroll's evaluation loads."""
 
-    def __init__(self, out: Path, base: Path, snapshot_every: int) -> None:
+    def __init__(self, out: Path, base: Path, snapshot_every: int, updates_per_batch: int) -> None:
         self.out, self.base, self.snapshot_every = out, base, snapshot_every
+        self.updates_per_batch = updates_per_batch
         self.steps = open(out / "steps.jsonl", "w")  # open for the whole run
         self.logs = open(out / "logs.jsonl", "w")
         self.off_wall = self.off_cpu = 0.0
@@ -165,12 +170,15 @@ class StepClock(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                     **_: Any) -> None:
-        self._write(self.steps, {"step": state.global_step, **self._now()})
-        if state.global_step % self.snapshot_every == 0 or state.global_step == state.max_steps:
-            self.snapshot(model, state.global_step)
+        batches, within = divmod(state.global_step, self.updates_per_batch)
+        if within:
+            return
+        self._write(self.steps, {"step": batches, **self._now()})
+        if batches % self.snapshot_every == 0 or state.global_step == state.max_steps:
+            self.snapshot(model, batches)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
-        self._write(self.logs, {"step": state.global_step, **(logs or {})})
+        self._write(self.logs, {"step": state.global_step / self.updates_per_batch, **(logs or {})})
 
 
 if __name__ == "__main__":

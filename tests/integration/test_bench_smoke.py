@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -306,29 +307,42 @@ AGENTIC_SMOKE = ["bench", "agentic", "--json", "--seeds", "1", "--max-steps", "8
 @pytest.mark.integration
 @pytest.mark.slow
 def test_bench_agentic_json_smoke_and_resume(tmp_path: Path) -> None:
-    """8 steps of the multi-environment job per cell, pipeline and barrier, flaky on and off, from one base: every
-    cell trains every task, the barrier runs one pool in sync mode, the flaky pool counts its episodes and set-up
-    share, and a second call runs nothing again."""
+    """8 steps of the multi-environment job per cell, pipeline, barrier and TRL, flaky on and off, from one base:
+    every cell trains every task, the barrier runs one pool in sync mode, the flaky pool counts its episodes and
+    set-up share (TRL's single loop too), and a second call runs nothing again."""
     pytest.importorskip("gymnasium")
     pytest.importorskip("reasoning_gym")
     cmd = [*JETROLL, *AGENTIC_SMOKE, "--run-dir", str(tmp_path / "bench")]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout)
     rows = first["rows"]
-    assert [(r["arm"], r["flaky"]) for r in rows] == [("pipeline", True), ("barrier", True), ("pipeline", False),
-                                                      ("barrier", False)]
+    assert [(r["arm"], r["flaky"]) for r in rows] == [("pipeline", True), ("barrier", True), ("trl", True),
+                                                      ("pipeline", False), ("barrier", False), ("trl", False)]
     for row in rows:
         assert row["steps"] == 8 and row["trajectories_per_s"] > 0 and 0 <= row["trainer_idle_frac"] <= 1
         assert set(row["trajectories_per_s_by_task"]) == {"frozenlake", "calculator", "chain_sum"}
         assert [e["version"] for e in row["evals"]] == [0, 4, 8]
         assert ("staleness.mode=sync" in row["overrides"]) == (row["arm"] == "barrier")
-    pipeline_flaky, barrier_flaky, pipeline_steady = rows[0], rows[1], rows[2]
+    pipeline_flaky, barrier_flaky, trl_flaky, pipeline_steady, _, trl_steady = rows
     assert set(pipeline_flaky["pools"]) == {"lake", "tools", "sums"} and set(barrier_flaky["pools"]) == {"default"}
     tools = pipeline_flaky["pools"]["tools"]
     assert tools["env_episodes/ok"] > 0 and 0 < tools["env_setup_share/ok"] < 1  # 50 ms resets are a share
     assert "tasks.1.env_faults=null" in pipeline_steady["overrides"]
+    # TRL's loop: every sample of every step, an episode with its environment for each multi-turn one
+    for row, name in ((trl_flaky, "trl-flaky-s0"), (trl_steady, "trl-steady-s0")):
+        assert set(row["pools"]) == {"trl"} and row["steps"] == 8
+        by_task = Counter()
+        for line in (tmp_path / "bench" / name / "rollouts.jsonl").read_text().splitlines():
+            by_task.update(json.loads(line)["by_task"])
+        assert sum(by_task.values()) == 8 * 3 * 2
+        pool = row["pools"]["trl"]
+        assert pool["env_episodes/ok"] + pool.get("env_episodes/failed", 0) == by_task["frozenlake"] + by_task[
+            "calculator"] > 0
+    assert trl_flaky["pools"]["trl"]["env_setup_share/ok"] > trl_steady["pools"]["trl"]["env_setup_share/ok"]
     summary = first["summary"]
-    assert summary["flaky"]["speedup"] == (summary["flaky"]["pipeline"]["trajectories_per_s"]
-                                           / summary["flaky"]["barrier"]["trajectories_per_s"])
+    for setting in ("flaky", "steady"):
+        pipeline = summary[setting]["pipeline"]["trajectories_per_s"]
+        assert summary[setting]["speedup"] == pipeline / summary[setting]["barrier"]["trajectories_per_s"]
+        assert summary[setting]["speedup_over_trl"] == pipeline / summary[setting]["trl"]["trajectories_per_s"]
     assert set(summary["pipeline_flaky_over_steady_by_task"]) == {"frozenlake", "calculator", "chain_sum"}
     again = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout)
     assert again["rows"] == rows
