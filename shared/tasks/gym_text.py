@@ -53,14 +53,26 @@ class TextAdapter(Protocol):
     def solution(self, options: str) -> list[str]: ...
 
 
+MOVES = ((0, -1), (1, 0), (0, 1), (-1, 0))  # (row, col) steps of left down right up
+
+
 @dataclass(frozen=True)
 class FrozenLakeText:
     """FrozenLake-v1 in lowercase: the map is its rows joined by `/` (`s` start, `f` frozen, `h` hole, `g` goal),
-    a position is `at <row> <col>`, an action is one of `left down right up`."""
+    a position is `at <row> <col>`, an action is one of `left down right up`. With `view: neighbours` each
+    observation also names the four cells a move would reach, in action order (`at 1 0 - f h s`: left off the map,
+    down frozen, right a hole, up the start), as ROLL redraws the grid every turn: a BPE tokenizer merges the map
+    string into multi-cell tokens, and finding a cell in it from its row and column is what a small model fails at."""
 
     size: int = 4
     frozen_prob: float = 0.8
+    view: str = "position"
     actions: tuple[str, ...] = ("left", "down", "right", "up")  # gymnasium's action ids, in order
+    views: ClassVar[tuple[str, ...]] = ("position", "neighbours")
+
+    def __post_init__(self) -> None:
+        if self.view not in self.views:
+            raise ValueError(f"FrozenLake view {self.view!r} is not one of {list(self.views)}")
 
     def draw(self, rng: random.Random) -> str:
         gymnasium()
@@ -77,7 +89,14 @@ class FrozenLakeText:
 
     def render(self, env: Any, observation: Any) -> str:
         row, col = divmod(int(observation), self.size)
-        return f"at {row} {col}"
+        if self.view == "position":
+            return f"at {row} {col}"
+        cells = env.unwrapped.desc
+        seen = []
+        for dr, dc in MOVES:
+            r, c = row + dr, col + dc
+            seen.append(cells[r][c].decode().lower() if 0 <= r < len(cells) and 0 <= c < len(cells[0]) else "-")
+        return f"at {row} {col} " + " ".join(seen)
 
     def action(self, turn: str) -> int | None:
         word = turn.strip()
@@ -87,14 +106,13 @@ class FrozenLakeText:
         """A shortest path from `s` to `g` around the holes (breadth first, actions tried in id order)."""
         rows = options.split("/")
         start = next((r, c) for r, row in enumerate(rows) for c, cell in enumerate(row) if cell == "s")
-        moves = ((0, -1), (1, 0), (0, 1), (-1, 0))  # left down right up
         paths: dict[tuple[int, int], list[str]] = {start: []}
         queue = deque([start])
         while queue:
             r, c = queue.popleft()
             if rows[r][c] == "g":
                 return paths[(r, c)]
-            for name, (dr, dc) in zip(self.actions, moves, strict=True):
+            for name, (dr, dc) in zip(self.actions, MOVES, strict=True):
                 nr, nc = r + dr, c + dc
                 if 0 <= nr < len(rows) and 0 <= nc < len(rows[0]) and rows[nr][nc] != "h" and (nr, nc) not in paths:
                     paths[(nr, nc)] = [*paths[(r, c)], name]

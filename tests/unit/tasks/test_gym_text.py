@@ -81,6 +81,20 @@ def test_moves_step_the_environment_unslippery_and_a_turn_that_does_not_parse_is
     assert transcript.startswith("down\nat 1 0\ndown\nat 2 0\n") and gymnasium_reward(transcript, answer).correct
 
 
+def test_the_neighbours_view_names_the_cell_each_move_reaches_and_the_reward_replays_it() -> None:
+    task = frozenlake(options={"view": "neighbours"})
+    problem = task.make("sfff/fhfh/fffh/hffg")
+    assert problem.prompt == "sfff/fhfh/fffh/hffg at 0 0 - f f -\n"
+    steps = run_episode(task, problem.answer, ["down", "right"])
+    assert steps[0].observation == "at 1 0 - f h s\n" and steps[1] == EnvStep(done=True, reward=0.0)
+    completion = task.sft_completion(problem)
+    assert completion.startswith("down\nat 1 0 - f h s\ndown\nat 2 0 - h f f\n")
+    assert gymnasium_reward(completion, problem.answer).reward == 1.0
+    assert task.fingerprint() != frozenlake().fingerprint()  # another view is another base
+    with pytest.raises(Exception, match="FrozenLake view 'grid' is not one of"):
+        validate_config({"tasks": [{"kind": "gymnasium", "name": "lake", "options": {"view": "grid"}}]})
+
+
 def test_an_episode_that_runs_out_of_turns_ends_unsolved() -> None:
     task = frozenlake(max_turns=3)
     answer = task.make("sfff/fhfh/fffh/hffg").answer
