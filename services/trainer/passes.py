@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import use_exact
-from jetroll.shared.rl.batch import TokenBatch, pack_groups
+from jetroll.shared.rl.batch import TokenBatch, pack_groups, packed_length
 from jetroll.shared.rl.loss import token_entropy, token_logprobs
 
 LOGIT_CHUNK_ELEMENTS = 1 << 23  # fp32 logits of one chunk of tokens: 32 MB, whatever the vocabulary
@@ -49,10 +49,33 @@ def proximal_pass(
 
 def group_hidden(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
     """Hidden states [n, width, H] of `rows` (whole groups) in the row layout, from one forward of each group packed
-    behind its shared prompt: about half the tokens of the padded rows for short answers."""
-    packed = pack_groups(batch.input_ids[rows], batch.lengths[rows], batch.rewards.shape[1], pad_id)
+    behind its shared prompt (about half the tokens of the padded rows for short answers), or of the rows themselves
+    where that is cheaper: long multi-turn samples packed make one long sequence whose attention costs more than the
+    prompt saves, and every group is padded to the longest."""
+    input_ids, lengths, group_size = batch.input_ids[rows], batch.lengths[rows], batch.rewards.shape[1]
+    if not is_packing_cheaper(model, input_ids, lengths, group_size, width):
+        return model.hidden(input_ids[:, :width])
+    packed = pack_groups(input_ids, lengths, group_size, pad_id)
     hidden = model.hidden(packed.input_ids, packed.positions, attn_mask=packed.attn_mask)
     return hidden.flatten(0, 1)[packed.index[:, :width]]
+
+
+def is_packing_cheaper(model: CausalLM, input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int,
+                       width: int) -> bool:
+    """Whether a forward of the rows [n, W] packed by group costs fewer multiply-adds than one of their first `width`
+    columns."""
+    packed = forward_cost(model, len(input_ids) // group_size, packed_length(input_ids, lengths, group_size))
+    return packed < forward_cost(model, len(input_ids), width)
+
+
+def forward_cost(model: CausalLM, num_sequences: int, seq_len: int) -> int:
+    """Multiply-adds of a forward over [num_sequences, seq_len] per layer: the projections and MLP per token, and
+    attention over every key (a packed mask hides keys but SDPA still computes them)."""
+    args = model.args
+    attention_width = args.num_heads * args.head_dim
+    per_token = args.hidden_size * (2 * attention_width + 2 * args.num_kv_heads * args.head_dim) \
+        + 3 * args.hidden_size * args.intermediate_size
+    return num_sequences * seq_len * (per_token + 2 * seq_len * attention_width)
 
 
 def head_logprobs(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor,

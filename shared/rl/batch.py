@@ -159,6 +159,24 @@ class PackedGroups:
     index: torch.Tensor
 
 
+def shared_prefixes(ids: np.ndarray, lens: list[int], group_size: int) -> list[int]:
+    """The length of each group's common prefix (its prompt, and any answer tokens all its samples share)."""
+    prefixes = []
+    for start in range(0, len(ids), group_size):
+        shortest = min(lens[start : start + group_size])
+        differs = (ids[start : start + group_size, :shortest] != ids[start, :shortest]).any(axis=0).nonzero()[0]
+        prefixes.append(int(differs[0]) if len(differs) else shortest)
+    return prefixes
+
+
+def packed_length(input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int) -> int:
+    """The sequence length `pack_groups` would give these rows: the longest group's prefix plus all its tails."""
+    lens = lengths.tolist()
+    prefixes = shared_prefixes(input_ids.cpu().numpy(), lens, group_size)
+    return max(sum(lens[g * group_size : (g + 1) * group_size]) - (group_size - 1) * common
+               for g, common in enumerate(prefixes))
+
+
 def pack_groups(input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int, pad_id: int) -> PackedGroups:
     """Pack rows [n, W] (whole groups of `group_size` consecutive rows, `lengths` [n] real tokens each): GRPO's
     samples share their prompt, so the trainer's forward and backward run it once per group, not once per sample."""
@@ -166,11 +184,8 @@ def pack_groups(input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int,
     num_rows, width = ids.shape
     index = np.zeros((num_rows, width), dtype=np.int64)
     tokens, positions, owners = [], [], []  # per group; owner -1 is the shared prefix, k the group's k-th row
-    for start in range(0, num_rows, group_size):
+    for start, common in zip(range(0, num_rows, group_size), shared_prefixes(ids, lens, group_size), strict=True):
         rows = range(start, start + group_size)
-        shortest = min(lens[i] for i in rows)
-        differs = (ids[start : start + group_size, :shortest] != ids[start, :shortest]).any(axis=0).nonzero()[0]
-        common = int(differs[0]) if len(differs) else shortest
         parts, part_positions, part_owners = [ids[start, :common]], [np.arange(common)], [np.full(common, -1)]
         offset = common
         for k, i in enumerate(rows):

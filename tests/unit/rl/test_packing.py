@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jetroll.services.trainer.passes import is_packing_cheaper
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.numerics import Precision
-from jetroll.shared.rl.batch import pack_groups
+from jetroll.shared.rl.batch import pack_groups, packed_length
 from jetroll.shared.rl.loss import ppo_loss, token_logprobs
 
 PAD = 0
@@ -56,6 +57,22 @@ def test_pack_groups_shares_each_groups_common_prefix() -> None:
     flat = packed.input_ids.flatten()
     for i in range(len(lengths)):
         assert flat[packed.index[i, : lengths[i]]].tolist() == input_ids[i, : lengths[i]].tolist()
+
+
+def test_groups_are_packed_only_where_that_is_the_cheaper_forward() -> None:
+    """Short answers behind a shared prompt pack (the arithmetic job); eight long multi-turn episodes behind a short
+    prompt do not: one 8x-long sequence's attention costs more than the prompt's repeats."""
+    model = _model("fp32")
+    input_ids, lengths = _rows()
+    assert packed_length(input_ids, lengths, 3) == pack_groups(input_ids, lengths, 3, PAD).input_ids.shape[1] == 14
+
+    def group(prompt: int, answer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(1, 16, (8, prompt + answer))
+        ids[:, :prompt] = ids[0, :prompt]
+        return ids, torch.full((8,), prompt + answer)
+
+    assert is_packing_cheaper(model, *group(prompt=24, answer=6), group_size=8, width=30)
+    assert not is_packing_cheaper(model, *group(prompt=40, answer=200), group_size=8, width=240)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "fp8_unified"])
