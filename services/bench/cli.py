@@ -218,7 +218,7 @@ BENCHES = {
                        "trips, held-out scores (resumable)",
                        _precision_args, _precision_run, "precision"),
     "peers": Bench("the default job in jetroll and in TRL's GRPOTrainer side by side, per job seed x kernel variant: "
-                   "time per step, core-seconds, time to 70% and 80%, final accuracy (resumable)", _peers_args,
+                   "time per step, core-seconds, time to 70%% and 80%%, final accuracy (resumable)", _peers_args,
                    _peers_run, "peers"),
     "agentic": Bench("the multi-environment job (configs/agentic.yaml) under the trajectory-level pipeline and a "
                      "barrier loop, with its flaky environment on and off: trajectories/s, the trainer's idle "
