@@ -48,11 +48,40 @@ def proximal_pass(
 
 
 def group_hidden(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
-    """Hidden states [n, width, H] of `rows` (whole groups) in the row layout, from one forward of each group packed
-    behind its shared prompt (about half the tokens of the padded rows for short answers), or of the rows themselves
-    where that is cheaper: long multi-turn samples packed make one long sequence whose attention costs more than the
-    prompt saves, and every group is padded to the longest."""
-    input_ids, lengths, group_size = batch.input_ids[rows], batch.lengths[rows], batch.rewards.shape[1]
+    """Hidden states [n, width, H] of `rows` (whole groups) in the row layout. Groups go forward in buckets of similar
+    length, since a multi-task batch mixes 30-token sums with 200-token episodes and one padded width would cost the
+    short ones several times their tokens; a bucket is packed behind its groups' shared prompts where that is the
+    cheaper forward. Positions past a bucket's longest row are zeros: padding, outside every loss."""
+    group_size = batch.rewards.shape[1]
+    input_ids, lengths = batch.input_ids[rows], batch.lengths[rows]
+    group_lengths = lengths.view(-1, group_size).amax(dim=1).clamp(max=width)
+    parts, order = [], []
+    for groups in length_buckets(group_lengths):
+        bucket_rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
+        bucket_width = int(group_lengths[groups].max())
+        hidden = bucket_hidden(model, input_ids[bucket_rows], lengths[bucket_rows], group_size, bucket_width, pad_id)
+        parts.append(F.pad(hidden, (0, 0, 0, width - bucket_width)))
+        order.append(bucket_rows)
+    return torch.cat(parts)[torch.argsort(torch.cat(order))]
+
+
+def length_buckets(group_lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Group indices in buckets by length, shortest first: a bucket takes groups up to twice its shortest's length,
+    so padding at most doubles a group's tokens and a batch needs a few forwards, not one per length."""
+    order = torch.argsort(group_lengths)
+    buckets, start = [], 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or group_lengths[order[i]] > 2 * group_lengths[order[start]]:
+            buckets.append(order[start:i])
+            start = i
+    return buckets
+
+
+def bucket_hidden(model: CausalLM, input_ids: torch.Tensor, lengths: torch.Tensor, group_size: int, width: int,
+                  pad_id: int) -> torch.Tensor:
+    """Hidden states [n, width, H] of whole groups, packed by group where that costs fewer multiply-adds: short
+    answers behind a shared prompt pack to about half the tokens, long multi-turn samples packed make one long
+    sequence whose attention costs more than the prompt saves."""
     if not is_packing_cheaper(model, input_ids, lengths, group_size, width):
         return model.hidden(input_ids[:, :width])
     packed = pack_groups(input_ids, lengths, group_size, pad_id)

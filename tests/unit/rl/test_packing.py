@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetroll.services.trainer.passes import is_packing_cheaper
+from jetroll.services.trainer.passes import group_hidden, is_packing_cheaper, length_buckets
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.numerics import Precision
-from jetroll.shared.rl.batch import pack_groups, packed_length
+from jetroll.shared.rl.batch import TokenBatch, pack_groups, packed_length
 from jetroll.shared.rl.loss import ppo_loss, token_logprobs
 
 PAD = 0
@@ -73,6 +73,51 @@ def test_groups_are_packed_only_where_that_is_the_cheaper_forward() -> None:
 
     assert is_packing_cheaper(model, *group(prompt=24, answer=6), group_size=8, width=30)
     assert not is_packing_cheaper(model, *group(prompt=40, answer=200), group_size=8, width=240)
+
+
+def test_a_mixed_batch_goes_forward_in_length_buckets_and_gives_the_row_layouts_hidden_states_and_gradients() -> None:
+    """Sums, tool calls and long episodes in one batch: each bucket in its cheaper layout, the result the rows'."""
+    model = _model("fp32")
+    torch.manual_seed(1)
+    spec = [(6, 2), (40, 1), (5, 45), (6, 3), (8, 10)]  # (prompt, answer) per group of 4, in batch order
+    rows, lengths = [], []
+    for prompt, answer in spec:
+        shared = torch.randint(1, 16, (prompt,))
+        for k in range(4):
+            tail = answer - (k % 2)  # samples of a group differ in length
+            rows.append(torch.cat([shared, torch.randint(1, 16, (tail,))]))
+            lengths.append(prompt + tail)
+    width = max(lengths)
+    input_ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+    lengths_t = torch.tensor(lengths)
+    group_lengths = lengths_t.view(-1, 4).amax(dim=1)
+    assert [b.tolist() for b in length_buckets(group_lengths)] == [[0, 3], [4], [1, 2]]  # 8, 9 | 18 | 41, 50
+    def bucket_packs(groups: list[int]) -> bool:
+        at = torch.tensor([g * 4 + k for g in groups for k in range(4)])
+        return is_packing_cheaper(model, input_ids[at], lengths_t[at], 4, int(lengths_t[at].max()))
+
+    assert bucket_packs([0, 3]) and not bucket_packs([1, 2])  # both layouts in one batch
+    zeros = torch.zeros(len(rows), width)
+    batch = TokenBatch(input_ids, input_ids, zeros, zeros, zeros, torch.ones(len(rows)), lengths_t,
+                       torch.zeros(len(spec), 4), ["t"] * len(rows), ["p"] * len(rows), [""] * len(rows),
+                       [False] * len(rows))
+    is_real = torch.arange(width)[None, :] < lengths_t[:, None]
+    weights = torch.randn(len(rows), width, 128)
+
+    def run(forward: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        hidden = forward()  # type: ignore[operator]
+        (hidden * weights)[is_real].sum().backward()
+        return hidden.detach(), [p.grad.clone() for p in model.parameters()]
+
+    by_buckets, grads = run(lambda: group_hidden(model, batch, torch.arange(len(rows)), width, PAD))
+    by_rows, row_grads = run(lambda: model.hidden(input_ids))
+    torch.testing.assert_close(by_buckets[is_real], by_rows[is_real], rtol=1e-5, atol=1e-5)
+    assert not by_buckets[~is_real & (torch.arange(width)[None, :] >= 9)][:4].any()  # a short bucket's padding
+    for g_buckets, g_rows in zip(grads, row_grads, strict=True):
+        torch.testing.assert_close(g_buckets, g_rows, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "fp8_unified"])
