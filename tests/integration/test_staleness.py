@@ -158,8 +158,11 @@ def test_a_slow_task_with_its_own_staleness_bound_neither_stalls_the_trainer_nor
             await until(lambda: reached(0), task, "v0")
             await bus.publish("traj:scored", scored_sample(job, "g1", 0, 0, [0, 0], task="count"))
             arithmetic = asyncio.create_task(publish_arithmetic())
-            last_change, seen = time.monotonic(), trainer.version
-            while trainer.version < 4 and time.monotonic() - last_change < 0.5:
+            # the bounds part at v2 (stall or train on), so the half-second still window counts from there: under
+            # load one of the first steps alone can take longer than that
+            last_change, seen, deadline = time.monotonic(), trainer.version, time.monotonic() + 60
+            while trainer.version < 4 and (trainer.version < 2 or time.monotonic() - last_change < 0.5):
+                assert time.monotonic() < deadline and not task.done(), f"the trainer stopped at v{trainer.version}"
                 await asyncio.sleep(0.01)
                 if trainer.version != seen:
                     last_change, seen = time.monotonic(), trainer.version
