@@ -82,11 +82,12 @@ def run_agentic_bench(seeds: int = 1, run_dir: Path | None = None, overrides: li
             for arm in ARMS:
                 name = f"{arm}-{'flaky' if is_flaky else 'steady'}-s{seed}"
                 out = run_dir / name
-                cell = [*extra, f"seed={seed}", *arm_overrides(config, arm, is_flaky)]
-                if arm == "trl" and not (out / "row.json").exists():
-                    run_trl_cell(name, out, base, cell, seed, trl_steps or config.trainer.max_steps, config)
-                elif not (out / "row.json").exists():
-                    run_cell(name, out, cell)
+                if not (out / "row.json").exists():  # a finished cell is not run again
+                    cell = [*extra, f"seed={seed}", *arm_overrides(config, arm, is_flaky)]
+                    if arm == "trl":
+                        run_trl_cell(name, out, base, cell, seed, trl_steps or config.trainer.max_steps, config)
+                    else:
+                        run_cell(name, out, cell)
                 rows.append(json.loads((out / "row.json").read_text()) | {"arm": arm, "flaky": is_flaky,
                                                                            "seed": seed})
     result = {"config": {"config": str(CONFIG), "overrides": extra, "seeds": seeds, "run_dir": str(run_dir),
