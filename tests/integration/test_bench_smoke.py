@@ -16,11 +16,12 @@ from helpers import JETROLL
 
 from jetroll.services.bench.precision import ARMS, DEFAULT_ARMS, GATES
 
+pytestmark = [pytest.mark.integration, pytest.mark.job]
+
 FAKE_LAMBDA = Path(__file__).resolve().parents[1] / "fakes" / "lambda_invoke.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.integration
 def test_bench_engine_json_smoke() -> None:
     out = subprocess.run(
         [*JETROLL, "bench", "engine", "--json", "--batch-sizes", "1,2",
@@ -42,7 +43,6 @@ def test_bench_engine_json_smoke() -> None:
     assert summary["speedup_b1"] > 0
 
 
-@pytest.mark.integration
 def test_bench_store_json_smoke() -> None:
     out = subprocess.run(
         [*JETROLL, "bench", "store", "--json", "--synthetic-mb", "2", "--repeats", "1"],
@@ -59,7 +59,6 @@ def test_bench_store_json_smoke() -> None:
     assert summary["local_ratio"] > 0 and summary["s3_ratio"] > 0
 
 
-@pytest.mark.integration
 def test_bench_reward_json_smoke() -> None:
     """Every backend, lambda against the fake Invoke API run as a source checkout runs it; no endpoint, no lambda."""
     fake = subprocess.Popen([sys.executable, str(FAKE_LAMBDA), "--port", "0", "--concurrency", "1"],
@@ -86,7 +85,6 @@ def test_bench_reward_json_smoke() -> None:
     assert refused.returncode == 2 and "needs --lambda-endpoint" in refused.stderr, refused.stderr
 
 
-@pytest.mark.integration
 def test_bench_mismatch_json_smoke() -> None:
     out = subprocess.run(
         [*JETROLL, "bench", "mismatch", "--json", "--lengths", "8,16", "--samples", "2"],
@@ -105,7 +103,6 @@ def test_bench_mismatch_json_smoke() -> None:
     assert all(d > 0 for d in summary["rollout_only_seq_delta_by_length"])
 
 
-@pytest.mark.integration
 def test_bench_async_quick_json_smoke() -> None:
     out = subprocess.run([*JETROLL, "bench", "async", "--json", "--quick"],
                          capture_output=True, text=True, timeout=600, check=True)
@@ -122,7 +119,6 @@ def test_bench_async_quick_json_smoke() -> None:
     assert summary["speedup_cv1_eta2"] > 0
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
     """Two steps per arm on a 1-layer model built in tmp: each job runs its arm's precision with every gate warning,
@@ -155,7 +151,6 @@ def test_bench_precision_json_smoke_and_resume(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "unknown precision-bench arm(s) ['fp4']" in unknown.stderr, unknown.stderr
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
     """One trainer seed, named as a list, on both kernel variants, 2 RL steps of a 1-layer model: each cell is a real
@@ -186,7 +181,6 @@ def test_bench_learning_json_smoke_and_resume(tmp_path: Path) -> None:
     assert other.returncode == 2 and "holds learning-bench runs of another config" in other.stderr, other.stderr
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_bench_chaos_json_smoke_and_resume(tmp_path: Path) -> None:
     """60 steps of a 1-layer job on a moto S3 store: every service SIGKILLed (the trainer twice), the Redis killed
@@ -233,7 +227,6 @@ PEERS_SMOKE = ["bench", "peers", "--json", "--steps", "6", "--seeds", "1,", "--k
                "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=2", "--set", "rollout.compile=false"]
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_bench_peers_json_smoke_and_resume(tmp_path: Path) -> None:
     """6 steps of a 1-layer job in jetroll and in TRL's GRPOTrainer from one base: both sides' clocks, CPU samples
@@ -261,7 +254,6 @@ def test_bench_peers_json_smoke_and_resume(tmp_path: Path) -> None:
     assert other.returncode == 2 and "holds peers-bench runs of other settings" in other.stderr, other.stderr
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_bench_peers_smoke_of_the_second_job(tmp_path: Path) -> None:
     """`--config configs/dataset_math.yaml` with its chat template: the BPE model's prompts rendered by the template on
@@ -286,7 +278,6 @@ def test_bench_peers_smoke_of_the_second_job(tmp_path: Path) -> None:
     assert native["bars"]["step_ratio"] == (native["step_ratio"] <= 1 / 1.5)
 
 
-@pytest.mark.integration
 def test_bench_peers_without_trl_fails_in_one_line(tmp_path: Path) -> None:
     blocked = ("import sys; sys.modules['trl'] = None; from jetroll.services.cli import main; "
                "sys.exit(main(sys.argv[1:]))")
@@ -304,7 +295,6 @@ AGENTIC_SMOKE = ["bench", "agentic", "--json", "--seeds", "1", "--max-steps", "8
                  "--set", "rollout.compile=false", "--set", "tasks.1.env_faults.delay_s=0.05"]
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_bench_agentic_json_smoke_and_resume(tmp_path: Path) -> None:
     """8 steps of the multi-environment job per cell, pipeline, barrier and TRL, flaky on and off, from one base:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from helpers import JETROLL
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.job]
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_BAD = 3

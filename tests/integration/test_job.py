@@ -40,7 +40,7 @@ from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.protocol.events import Array, MetricsEvent, decode, encode
 from jetroll.shared.store.local import LocalWeightStore
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.job]
 
 def _mutations(vocab: int) -> dict[str, list[tuple[str, Callable[[Any], Any], str]]]:
     """Per stream: (what, mutate a real event of that stream, a phrase of the dead letter's reason). Every mutation

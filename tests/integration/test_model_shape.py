@@ -11,6 +11,8 @@ import pytest
 from jetroll.services.bench.shape import run_shape_bench
 from jetroll.shared.model.checkpoint import read_weights
 
+pytestmark = pytest.mark.integration
+
 GIB = 1024**3
 
 

@@ -28,6 +28,8 @@ from jetroll.shared.protocol.dead_letters import DeadLetters
 from jetroll.shared.store import setup_store
 from jetroll.shared.store.base import WeightStore
 
+pytestmark = pytest.mark.integration
+
 
 async def publish_fp8(store: WeightStore, config: JobConfig, version: int, model_dir: Path, out: Path) -> None:
     """`model_dir`'s model as the trainer publishes it under `config`'s precision: the rollout formats, the plan."""

@@ -107,6 +107,7 @@ def weights_sha256(job: Job) -> dict[str, str]:
             for p in sorted(root.rglob("*.safetensors"))}
 
 
+@pytest.mark.job
 def test_two_sync_runs_repeat_every_metric_and_weight(tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
     """The smoke config in sync mode, twice at the same time (so their timings differ): the same non-timing metrics
     at every step, the same evaluations and summary, and bitwise the same weights at every version."""

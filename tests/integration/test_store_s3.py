@@ -30,7 +30,6 @@ from jetroll.shared.numerics import MASTERS, QuantizationPlan
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.store.base import WeightStoreError
 from jetroll.shared.store.s3 import S3WeightStore
-from jetroll.shared.warm_start import ensure_base_model
 
 pytestmark = pytest.mark.integration
 
@@ -277,12 +276,6 @@ def test_partial_upload_is_never_visible(
     assert (asyncio.run(store.fetch(1)) / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    cache = tmp_path_factory.mktemp("model-cache")
-    return str(ensure_base_model(load_config(SMOKE, [f"model.cache_dir={cache}"]).model, progress=False))
 
 
 @pytest.mark.slow

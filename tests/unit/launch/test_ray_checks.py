@@ -11,6 +11,8 @@ from jetroll.services.launch.ray import WANTED_REPLICAS, backlog_policy, run_ray
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
 
+pytestmark = pytest.mark.integration
+
 
 def test_backlog_policy_takes_the_largest_ask() -> None:
     ctx = SimpleNamespace(aggregated_metrics={WANTED_REPLICAS: {"r1": 2.2, "r2": 1.0}}, current_num_replicas=1)

@@ -15,6 +15,8 @@ from jetroll.services.launch.run import run
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.errors import ConfigError
 
+pytestmark = pytest.mark.integration
+
 
 def job(tmp_path: Path) -> JobConfig:
     model = tmp_path / "model"  # enough of a base model for resolve_config: its config.json

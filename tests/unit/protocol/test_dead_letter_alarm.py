@@ -12,6 +12,8 @@ from jetroll.shared.errors import JobFailedError
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.dead_letters import DeadLetterAlarm, DeadLetters
 
+pytestmark = pytest.mark.integration
+
 
 async def dead_letter(bus: RedisBus, num: int, reason: str = "undecodable event: x") -> None:
     for i in range(num):

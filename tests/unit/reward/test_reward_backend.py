@@ -12,6 +12,8 @@ from jetroll.shared.config.job import load_config
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.errors import ConfigError
 
+pytestmark = pytest.mark.integration
+
 SMOKE = Path(__file__).resolve().parents[3] / "configs" / "smoke.yaml"
 
 

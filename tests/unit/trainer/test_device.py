@@ -27,7 +27,8 @@ from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.numerics import Precision
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path and a missing CUDA device")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path and a missing CUDA device")]
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.rl.batch import collate
 from jetroll.shared.rl.mismatch import scorable_versions
 
+pytestmark = pytest.mark.integration
+
 
 def step_a_version_later(trainer: Trainer, v_toks: tuple[list[int] | int, ...] | None = None,
                          ratios: tuple[tuple[float, ...], ...] = RATIOS) -> dict[str, float]:

@@ -22,6 +22,8 @@ from jetroll.shared.protocol.events import ScoredEvent
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import TRAJ_SCORED
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = ("12+34=", "7-5=", "98-9=", "5+5=")
 REWARDS = ((1.0, 0.0, 1.0, 0.0), (0.0, 1.0, 1.0, 0.0), (1.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.5))
 SECTIONS: dict[str, Any] = {"trainer": {"groups_per_step": 2, "group_size": 4, "lr": 1e-2, "lr_schedule": "constant",

@@ -36,6 +36,8 @@ from jetroll.shared.protocol.topology import TRAJ_SCORED
 from jetroll.shared.rl.batch import PendingGroup, collate
 from jetroll.shared.tasks.registry import get_task
 
+pytestmark = pytest.mark.integration
+
 
 def test_every_correction_changes_the_trainers_update(
     model_dir: Path, redis_url: str, tmp_path: Path, one_thread: None
