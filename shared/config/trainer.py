@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from jetroll.shared.config.base import Strict
 
@@ -51,8 +51,15 @@ class TrainerConfig(Strict):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where the policy, its reference, "
                         "gradients and optimizer state live: cpu, or cuda[:N] (a CUDA build of torch); checkpoints "
                         "and published versions are written from the host either way")
-    engine: Literal["real", "timing"] = Field("real", description="real: forward/backward and an optimizer step; "
-                                              "timing: a sleep instead (weights unchanged), keeping the ledger, acks, "
-                                              "metrics and weight publication (benchmarks)")
+    engine: Literal["jetroll", "timing"] = Field(
+        "jetroll", description="jetroll: forward/backward and an optimizer step (`real`, its old name, still reads "
+        "as it); timing: a sleep instead (weights unchanged), keeping the ledger, acks, metrics and weight "
+        "publication (benchmarks)")
     timing_step_s: float = Field(1.0, gt=0, description="trainer.engine timing: modelled time of a step plus its "
                                  "weight publication; the sleep is what the last real publication leaves of it")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _real_is_jetroll(cls, value: object) -> object:
+        # YAML keys stay: a config written before the rename keeps working (rollout's `real` is refused with a hint)
+        return "jetroll" if value == "real" else value

@@ -27,6 +27,15 @@ def test_the_old_engine_name_is_refused_with_its_new_name() -> None:
         assert "'real' is now 'jetroll'" in message and "\n" not in message, message
 
 
+def test_the_trainers_old_engine_name_reads_as_its_new_one() -> None:
+    """YAML keys stay: `trainer.engine: real` (the name before rollout's and the trainer's engines shared theirs)
+    loads as `jetroll`, the default; an unknown name lists both."""
+    assert load_config(None, ["trainer.engine=real"]).trainer.engine == "jetroll" == load_config(None).trainer.engine
+    assert load_config(None, ["trainer.engine=timing"]).trainer.engine == "timing"
+    message = _error(["trainer.engine=fast"])
+    assert "trainer.engine" in message and "'jetroll'" in message and "'timing'" in message, message
+
+
 def test_a_pool_overrides_the_jobs_engine() -> None:
     config = load_config(None, ["rollout.engine=vllm",
                                 "rollout.pools=[{name: a}, {name: b, engine: jetroll}, {name: c, engine: timing}]"])
