@@ -123,7 +123,11 @@ def test_a_client_may_reserialize_tool_call_arguments() -> None:
     transcript.add_sampled(tokenizer.encode(TOOL_TURN) + [tokenizer.eos_id])
     echoed = {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function", "function": {
         "name": "calculator", "arguments": '{"expression":"64*16"}'}}]}
-    transcript.extend([transcript.messages[0], echoed, {"role": "tool", "tool_call_id": "x", "content": "1024"}])
+    sampled = list(transcript.ids)
+    tool = {"role": "tool", "tool_call_id": "x", "content": "1024"}
+    added = transcript.extend([transcript.messages[0], echoed, tool])  # its compact JSON is the same call
+    assert added and transcript.ids == sampled + added and transcript.messages[-1] == tool
+    assert "1024" in tokenizer.decode(added)
 
 
 def test_a_template_that_rewrites_earlier_turns_cannot_be_bridged() -> None:
