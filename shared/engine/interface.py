@@ -39,6 +39,16 @@ class RolloutEngine(Protocol):
     def swap_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool = True) -> None: ...
 
 
+class Generates:
+    """`generate` for an engine that steps (jetroll's and vLLM's): every request run to its end."""
+
+    def generate(self: RolloutEngine, requests: list[Request]) -> list[Request]:
+        self.add(requests)
+        while self.has_work:
+            self.step()
+        return requests
+
+
 class TurnEngine(RolloutEngine, Protocol):
     """An engine that runs multi-turn episodes: a sequence that ends a turn pauses until `resume` or `finish`."""
 
