@@ -129,8 +129,8 @@ def test_the_algorithm_room_loads_without_redis() -> None:
 
 
 def test_no_service_imports_another() -> None:
-    """The four services meet only through the protocol: what two of them share lives in `shared/`."""
-    services = ("controller", "rollout", "reward", "trainer")
+    """The five services meet only through the protocol: what two of them share lives in `shared/`."""
+    services = ("controller", "rollout", "reward", "trainer", "env")
 
     def service_of(module: str) -> str | None:
         parts = module.split(".")
