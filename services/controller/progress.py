@@ -92,11 +92,17 @@ def _measured(row: dict[str, float], key: str, spec: str) -> str:
     return "n/a" if math.isnan(value) else format(value, spec)
 
 
+# off a terminal (a log file, CI) a plain line this often at most, besides the first and the last step's
+PLAIN_LINE_EVERY_S = 10.0
+
+
 class ProgressView:
-    """A rich live table on a terminal; one plain line per step elsewhere (CI logs)."""
+    """A rich live table on a terminal; elsewhere (a log file, CI) a plain line for the first step, the last, and a
+    step at least PLAIN_LINE_EVERY_S after the line before: a 3000-step job writes minutes, not steps."""
 
     def __init__(self, book: MetricsBook, max_steps: int, tasks: list[str]) -> None:
         self.book, self.max_steps, self.tasks = book, max_steps, tasks
+        self.line_at = -math.inf
         self.console = Console()
         self.is_live = sys.stdout.isatty()
         self.live = Live(console=self.console, refresh_per_second=2) if self.is_live else None
@@ -116,7 +122,7 @@ class ProgressView:
     def update(self, row: dict[str, float] | None = None) -> None:
         if self.live:
             self.live.update(self._table())
-        elif row is not None:
+        elif row is not None and self._is_line_due(int(row["step"])):
             parts = [f"step {int(row['step'])}/{self.max_steps}"]
             for task in self.tasks:
                 parts.append(f"{task}: reward {row.get(f'reward/{task}', float('nan')):.3f} "
@@ -125,6 +131,13 @@ class ProgressView:
                          f"mismatch {_measured(row, 'precision_mismatch', '.2e')} "
                          f"k3 {_measured(row, 'mismatch/k3', '.1e')} of {_measured(row, 'mismatch_coverage', '.1%')}")
             print(" | ".join(parts), flush=True)
+
+    def _is_line_due(self, step: int) -> bool:
+        now = time.monotonic()
+        if self.line_at == -math.inf or step >= self.max_steps or now - self.line_at >= PLAIN_LINE_EVERY_S:
+            self.line_at = now
+            return True
+        return False
 
     def _table(self) -> Table:
         row = self.book.rows[-1] if self.book.rows else {}
