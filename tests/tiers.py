@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +19,9 @@ REDIS_FIXTURES = {"redis_url", "any_redis_url", "redis_binary", "redis_servers"}
 # what torch runs of its own to build kernels (the decode's C++ attention, inductor's graphs): a cost of the model, not
 # of a server or a service, and run only on a cold cache
 TOOLCHAIN = {"gcc", "g++", "cc", "c++", "clang", "clang++", "ninja"}
+# processes libraries start to probe the machine, not servers or services: torch's kernel builders (inductor's vector
+# ISA check starts a Python), `platform.processor()`'s `uname -p` (the openai client's headers) and `distro`
+MACHINE_PROBES = ("/torch/_inductor/", "/torch/utils/cpp_extension", "/platform.py", "/distro/")
 # every test that launches a job runs on one xdist worker, in this group, so that two jobs never share the 2 cores
 JOB_GROUP = "jobs"
 
@@ -37,6 +41,15 @@ def launched_verb(args: Any) -> str | None:
 def is_toolchain(args: Any) -> bool:
     argv = [str(arg) for arg in args] if isinstance(args, Sequence) and not isinstance(args, str | bytes) else [args]
     return str(argv[0]).rsplit("/", 1)[-1] in TOOLCHAIN or any("torch._inductor" in str(arg) for arg in argv)
+
+
+def started_to_probe_the_machine() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in MACHINE_PROBES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def tier_error(markers: set[str], args: Any) -> str:
@@ -60,7 +73,7 @@ def tier_guard(item: pytest.Item) -> Iterator[None]:
     process_start = multiprocessing.process.BaseProcess.start
 
     def guarded_popen_init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
-        if why := tier_error(markers, args):
+        if (why := tier_error(markers, args)) and not started_to_probe_the_machine():
             pytest.fail(f"{item.nodeid} {why}", pytrace=False)
         popen_init(self, args, *rest, **kwargs)
 

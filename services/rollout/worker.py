@@ -24,15 +24,13 @@ import torch
 from safetensors.torch import load_file
 
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.engine.engine import Engine
+from jetroll.shared.engine.factory import build_engine
 from jetroll.shared.engine.interface import RolloutEngine, probe
 from jetroll.shared.engine.request import EnvResult, Request
-from jetroll.shared.engine.timing import TimingEngine
 from jetroll.shared.engine.turns import TurnRunner
-from jetroll.shared.engine.vllm import VllmEngine
 from jetroll.shared.errors import JobFailedError
-from jetroll.shared.model.checkpoint import load_pretrained, quantization_plan, read_args, torch_device
-from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
+from jetroll.shared.model.checkpoint import quantization_plan, read_args
+from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.numerics import QuantizationPlan
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import (
@@ -83,12 +81,13 @@ class RolloutWorker:
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine_name = config.rollout.engine_of(self.pool)
+        self.runs_model = config.rollout.runs_model(self.pool)
         self.plan: QuantizationPlan | None = None  # this worker's, from the model's shape and the job's precision
         self.precision_id = ""  # stamped on trajectories: set with the plan
         self.engine: RolloutEngine | None = None
         self.limits: EventLimits | None = None  # set with the engine: token ids must fit its embedding
         self.tokenizer: Tokenizer | None = None
-        self.turns: TurnRunner | None = None  # multi-turn environments (every engine but the timing model)
+        self.turns: TurnRunner | None = None  # multi-turn environments (every engine that runs the model)
         self.gateway: Gateway | None = None  # agent tasks' sessions: started with the first agent group
         self.incarnation = secrets.token_hex(4)  # in session ids: a restarted worker never takes old agents' calls
         self.env_failures: Counter[str] = Counter()  # env_status -> trajectories that ended with it
@@ -107,10 +106,11 @@ class RolloutWorker:
         self.plan = quantization_plan(read_args(directory)[0], self.config.precision.numerics())
         self.precision_id = self.config.precision.rollout_precision_id(self.engine_name, self.plan.digest)
         await self._check_plan(version, await asyncio.to_thread(_read_tensors, directory))
-        self.engine = self._setup_engine(directory)
-        if not isinstance(self.engine, TimingEngine):  # the timing model runs no kernels and no environments
+        built = build_engine(self.config, self.pool, directory)
+        self.engine, self.tokenizer = built.engine, built.tokenizer
+        self.limits = EventLimits.of(self.config, built.vocab_rows)
+        if self.runs_model:  # an engine that draws its samples runs no kernels and no environments
             probe(self.engine, self.engine_name)
-            assert self.tokenizer is not None
             rollout = self.config.rollout
             self.turns = TurnRunner(self.engine, self.tokenizer, rollout.env_timeout_s, rollout.env_max_retries)
         self.engine.version = version
@@ -128,32 +128,6 @@ class RolloutWorker:
                 await self.turns.close()
             if self.gateway is not None:
                 await self.gateway.close()
-
-    def _setup_engine(self, directory: Path) -> RolloutEngine:
-        rollout = self.config.rollout
-        max_batch = self.pool.max_batch or rollout.max_batch
-        if self.engine_name == "timing":
-            tokenizer = load_tokenizer(directory)
-            self.limits = EventLimits.of(self.config, tokenizer.vocab_size)
-            return TimingEngine(self.pool.timing or rollout.timing, tokenizer.eos_id, tokenizer.vocab_size, max_batch,
-                                rollout.max_seq_len)
-        if self.engine_name == "vllm":
-            args, _ = read_args(directory)  # what jetroll's loader refuses, vLLM never runs
-            self.tokenizer = load_tokenizer(directory)
-            if self.tokenizer.vocab_size > args.vocab_size:
-                raise ValueError(f"{directory}: the tokenizer has {self.tokenizer.vocab_size} tokens, the embedding "
-                                 f"only {args.vocab_size} rows")
-            self.limits = EventLimits.of(self.config, args.vocab_size)
-            return VllmEngine(directory, args, self.tokenizer.vocab_size, self.config.precision.mode, max_batch,
-                              rollout.max_seq_len, seed=self.config.seed, compile=rollout.compile,
-                              device=rollout.device, threads=rollout.threads)
-        model, tokenizer = load_pretrained(directory, self.config.precision.numerics(),
-                                           torch_device(rollout.device, "rollout.device"))
-        model.share_inference_masters()  # this model never trains: hold its block linears once
-        self.tokenizer = tokenizer
-        self.limits = EventLimits.of(self.config, model.args.vocab_size)
-        return Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len,
-                      seed=self.config.seed, compile=rollout.compile)
 
     async def _wait_for_weights(self) -> int:
         while (version := await self.store.latest()) is None:
@@ -195,9 +169,9 @@ class RolloutWorker:
     async def _check_plan(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Refuse a version whose quantization plan, or whose tensors, differ from this worker's plan: dead-letter it
         with the first difference, and fail the job. Both plans come from the job's config, so no later version can
-        heal a difference, and serving on would run another precision than the job names. The timing model runs no
-        numerics: it has nothing to check."""
-        if self.engine_name == "timing":
+        heal a difference, and serving on would run another precision than the job names. An engine that runs no
+        model has nothing to check."""
+        if not self.runs_model:
             return
         assert self.plan is not None
         manifest = await self.store.manifest(version)
@@ -373,12 +347,9 @@ class RolloutWorker:
                 **{f"env_setup_share_sum/{ended}": total for ended, total in counts.setup_share_sum.items()}}
 
     def _env_result(self, request_id: str) -> EnvResult:
-        """What the sample's environment reported: through the turn runner, or drawn by the timing model."""
-        if self.turns is not None:
-            return self.turns.env_result(request_id)
-        if isinstance(self.engine, TimingEngine):
-            return self.engine.env_result(request_id)
-        return EnvResult()
+        """What the sample's environment reported: through the turn runner, or what the engine drew."""
+        assert self.engine is not None
+        return self.turns.env_result(request_id) if self.turns is not None else self.engine.env_result(request_id)
 
     def _trajectory(self, group: GroupEvent, sample: int, request: Request, env: EnvResult) -> TrajectoryEvent:
         return TrajectoryEvent(

@@ -72,9 +72,8 @@ class MismatchSampler:
         """What the step leaves to measure, as a call that measures it: the scored rows' tokens of the trainer's
         `version` (pi_prox has them), and the sampled rows' tokens of the chosen version, scored when called."""
         rollout = self.config.rollout
-        # the timing model's log-probs are drawn, not computed: its rows have no mismatch to measure
-        computed = torch.tensor([rollout.engine_of(rollout.pool(p)) != "timing" for p in batch.pools],
-                                device=scored.device)
+        # a drawn log-prob (an engine that runs no model) has no mismatch to measure
+        computed = torch.tensor([rollout.runs_model(rollout.pool(p)) for p in batch.pools], device=scored.device)
         versions = scorable_versions((batch.loss_mask > 0) & computed[:, None], batch.v_tok, self.kept_kv)
         measured = scored[:, None] & (versions == version)
         rows, chosen = torch.zeros_like(scored), None

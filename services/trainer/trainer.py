@@ -16,6 +16,7 @@ from jetroll.services.trainer.commit import Committer
 from jetroll.services.trainer.intake import GROUP, STREAM, Intake
 from jetroll.services.trainer.mismatch import Measure
 from jetroll.shared.config.job import JobConfig
+from jetroll.shared.engine.factory import modelled_step
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.validate import EventLimits
@@ -50,6 +51,7 @@ class Trainer:
         self.commit_task: asyncio.Task[None] | None = None
         self.publish_s = 0.0
         self.actor = Actor(config)
+        self.train_step = modelled_step(config.trainer, lambda: self.publish_s) or self.actor.step
         limits = EventLimits.of(config, self.actor.model.args.vocab_size)
         self.intake = Intake(config, bus, consumer, self.ledger, limits, lambda: self.version)
         self.committer = Committer(config, bus, store, self.ledger, self.actor, self.intake.training)
@@ -112,14 +114,9 @@ class Trainer:
             self.commit_task = None
 
     def _step(self, groups: list[PendingGroup]) -> tuple[dict[str, float], Measure]:
-        """One optimizer step (or, with trainer.engine timing, a sleep standing in for it) and its staleness stats;
-        and the call that measures its precision mismatch."""
-        if self.config.trainer.engine == "timing":
-            # the modelled time covers the step and its weight publication, which stays real
-            time.sleep(max(0.0, self.config.trainer.timing_step_s - self.publish_s))
-            stats, measure = {}, dict
-        else:
-            stats, measure = self.actor.step(groups, self.version)
+        """One optimizer step (or what the config's trainer engine models of it) and its staleness stats; and the
+        call that measures its precision mismatch."""
+        stats, measure = self.train_step(groups, self.version)
         trajectories = [e.trajectory for g in groups for e in g.events]
         per_task = {f"groups/{task}": float(sum(g.task == task for g in groups)) for task in self.task_names}
         eta_hard = {task: 2 * self.config.task_eta(task) for task in self.task_names}

@@ -123,6 +123,18 @@ class RolloutConfig(Strict):
     def engine_of(self, pool: PoolConfig) -> Engine:
         return pool.engine or self.engine
 
+    def runs_model(self, pool: PoolConfig) -> bool:
+        """Whether `pool`'s engine decodes the model (jetroll's, vLLM): its log-probs are computed, its weights follow
+        the quantization plan and its multi-turn tasks run environments. The timing model draws all of those."""
+        return self.engine_of(pool) != "timing"
+
+    def max_trajectory_tokens(self) -> int:
+        """The longest prompt plus completion a trajectory can carry: the window, and past it what the timing
+        model draws (up to its max_tokens) where a pool runs it."""
+        if all(self.runs_model(pool) for pool in self.pools):
+            return self.max_seq_len
+        return self.max_seq_len + max(t.max_tokens for t in [self.timing, *(p.timing for p in self.pools if p.timing)])
+
     def sample_budget(self, task_max_new_tokens: int) -> int:
         """Tokens a training sample of a task asking for `task_max_new_tokens` may generate."""
         return min(task_max_new_tokens, self.max_new_tokens)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.engine.interface import Generates
+from jetroll.shared.engine.interface import ModelEngine
 from jetroll.shared.engine.request import Request
 from jetroll.shared.engine.sampler import choose_tokens, token_logprobs
 from jetroll.shared.engine.slots import SlotTable
@@ -27,7 +27,7 @@ from jetroll.shared.seeds import derive_seed
 RECOMPUTE_TOKENS = 8192  # padded tokens per batched KV-recompute forward on a weight swap (bounds its memory)
 
 
-class Engine(Generates):
+class Engine(ModelEngine):
     """`compile=True` runs decode through torch.compile (C++ wrapper): a few graphs compiled up front,
     their wall time in `compile_s`, for a step that costs a fraction of eager's Python overhead; on the CPU its
     attention is `decode_attention`'s kernel.

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from jetroll.shared.engine.request import Request
+from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.errors import JobFailedError
 
 PROBE_PROMPT_TOKENS = 16
@@ -38,15 +38,23 @@ class RolloutEngine(Protocol):
 
     def swap_weights(self, state: dict[str, torch.Tensor], version: int, recompute_kv: bool = True) -> None: ...
 
+    def env_result(self, request_id: str) -> EnvResult:
+        """The environment outcome the engine itself gives a finished sample (the timing model draws failures)."""
 
-class Generates:
-    """`generate` for an engine that steps (jetroll's and vLLM's): every request run to its end."""
+
+class ModelEngine:
+    """What the engines that decode a model (jetroll's, vLLM's) share."""
 
     def generate(self: RolloutEngine, requests: list[Request]) -> list[Request]:
+        """Every request run to its end."""
         self.add(requests)
         while self.has_work:
             self.step()
         return requests
+
+    def env_result(self, request_id: str) -> EnvResult:
+        """None of their own: a model's environments are the turn runner's."""
+        return EnvResult()
 
 
 class TurnEngine(RolloutEngine, Protocol):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from jetroll.shared.engine.interface import Generates, error_line
+from jetroll.shared.engine.interface import ModelEngine, error_line
 from jetroll.shared.engine.request import Request
 from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.args import ModelArgs
@@ -82,7 +82,7 @@ def _fp32_bias_for_cpu_fp8() -> None:
         kernel.process_weights_after_loading = process_with_fp32_bias  # type: ignore[method-assign]
 
 
-class VllmEngine(Generates):
+class VllmEngine(ModelEngine):
     """vLLM behind the jetroll engine's seam. `directory` is a published version (HF layout) that jetroll's own
     loader accepted as `args`; `vocab_size` is the tokenizer's: ids past it have no string and are never sampled."""
 

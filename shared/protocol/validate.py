@@ -57,11 +57,8 @@ class EventLimits:
     @classmethod
     def of(cls, config: JobConfig, vocab_rows: int) -> EventLimits:
         rollout = config.rollout
-        max_seq_len = rollout.max_seq_len
-        if any(rollout.engine_of(pool) == "timing" for pool in rollout.pools):
-            # it draws lengths of its own, up to timing.max_tokens, past the window
-            max_seq_len += max(t.max_tokens for t in [rollout.timing, *(p.timing for p in rollout.pools if p.timing)])
-        return cls(vocab_rows=vocab_rows, group_size=config.trainer.group_size, max_seq_len=max_seq_len,
+        return cls(vocab_rows=vocab_rows, group_size=config.trainer.group_size,
+                   max_seq_len=rollout.max_trajectory_tokens(),
                    max_new_tokens=max(rollout.sample_budget(get_task(t.name).max_new_tokens) for t in config.tasks),
                    max_version=config.trainer.max_steps, tasks=frozenset(t.name for t in config.tasks),
                    pools=frozenset(pool.name for pool in rollout.pools))

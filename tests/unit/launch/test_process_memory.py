@@ -33,6 +33,7 @@ print(rss_mb() - before)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the threshold is glibc's")
+@pytest.mark.integration  # a fresh interpreter's heap
 def test_a_prepared_service_returns_freed_weight_sized_tensors() -> None:
     kept = {how: int(subprocess.run([sys.executable, "-c", SCRIPT, how], cwd=ROOT, capture_output=True, text=True,
                                     check=True).stdout) for how in ("prepared", "default")}

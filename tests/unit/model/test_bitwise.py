@@ -27,7 +27,7 @@ SCORER = Path(__file__).with_name("bitwise_scorer.py")
 REPO = Path(__file__).resolve().parents[3]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]  # a scorer subprocess
 
 
 def tiny_model(seed: int) -> CausalLM:

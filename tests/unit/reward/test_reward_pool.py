@@ -16,6 +16,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)  # spawned workers inherit sys.path, so they can import reward_test_fns
 
 MODULES = ("reward_test_fns",)
+pytestmark = pytest.mark.integration  # the pool's worker processes
 
 
 @pytest.fixture

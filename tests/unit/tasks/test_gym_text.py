@@ -126,6 +126,7 @@ def test_the_base_a_warm_start_builds_follows_the_environments_options() -> None
     assert base_key({}) != base_key({"size": 6})  # bigger maps are another base, never the cached 4x4 one
 
 
+@pytest.mark.integration  # a fresh interpreter without gymnasium
 def test_without_the_extra_a_gymnasium_task_fails_the_config_in_one_line_naming_it() -> None:
     code = ("import sys; sys.modules['gymnasium'] = None\n"
             "from jetroll.shared.config.job import validate_config\n"

@@ -82,6 +82,7 @@ def test_a_config_refuses_what_it_cannot_run() -> None:
     assert task(options={"min_animals": 2, "max_animals": 2}).options == (("max_animals", 2), ("min_animals", 2))
 
 
+@pytest.mark.integration  # a fresh interpreter without reasoning-gym
 def test_without_the_extra_a_reasoning_gym_task_fails_the_config_in_one_line_naming_it() -> None:
     code = ("import sys; sys.modules['reasoning_gym'] = None\n"
             "from jetroll.shared.config.job import validate_config\n"

@@ -115,6 +115,7 @@ PEAK = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_a_real_vocabularys_head_peaks_far_below_its_logits() -> None:
     """8 x 512 tokens at Qwen2.5's vocabulary (151,936 ids): the log-prob, entropy, loss and backward pass peaks at
     most 0.5 GB above the weights, their gradient and Adam's state, where the logits alone would be 2.5 GB."""
