@@ -22,7 +22,7 @@ RefitSource = Literal["fp32_masters", "bf16_copy"]
 
 
 @dataclass(frozen=True, slots=True)
-class Precision:
+class Numerics:
     mode: Mode = "fp32"
     backend: Literal["fast", "exact"] = "fast"
     backward: Literal["fp8", "bf16"] = "fp8"
@@ -57,7 +57,7 @@ class Precision:
             return self.mode
         return "bf16" if name in self.high_precision else "fp8"
 
-    def trainer_side(self) -> Precision:
+    def trainer_side(self) -> Numerics:
         """The precision of the trainer's own passes: bf16 under fp8_rollout_only, else this one."""
         return replace(self, mode="bf16") if self.mode == "fp8_rollout_only" else self
 

@@ -22,8 +22,6 @@ TOOLCHAIN = {"gcc", "g++", "cc", "c++", "clang", "clang++", "ninja"}
 # processes libraries start to probe the machine, not servers or services: torch's kernel builders (inductor's vector
 # ISA check starts a Python), `platform.processor()`'s `uname -p` (the openai client's headers) and `distro`
 MACHINE_PROBES = ("/torch/_inductor/", "/torch/utils/cpp_extension", "/platform.py", "/distro/")
-# every test that launches a job runs on one xdist worker, in this group, so that two jobs never share the 2 cores
-JOB_GROUP = "jobs"
 
 
 def launched_verb(args: Any) -> str | None:
@@ -95,8 +93,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("job"):
             item.add_marker(pytest.mark.integration)
-        if item.get_closest_marker("job") or item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group(JOB_GROUP))
 
 
 @pytest.hookimpl(wrapper=True)

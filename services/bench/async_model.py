@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jetroll.shared.config.rollout import TimingEngineConfig
+from jetroll.shared.config.staleness import eta_hard_of
 from jetroll.shared.engine.timing import draw
 
 
@@ -92,7 +93,7 @@ def simulate(durations: Durations, *, num_groups: int, group_size: int, num_slot
             start_version[group] = min(start_version.get(group, version), version)
         if train_done_at is None:
             # v_adm holds the groups in flight (admitted, neither trained nor dropped), in admission order
-            required = [g for g in v_adm if v_adm[g] <= version - 2 * eta][:num_groups]
+            required = [g for g in v_adm if v_adm[g] <= version - eta_hard_of(eta)][:num_groups]
             if len(complete) >= num_groups and all(g in complete for g in required):
                 batch = sorted(complete, key=lambda g: (g not in required, v_adm[g], g))[:num_groups]
                 for group in batch:

@@ -24,7 +24,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 SEED = 0
 
@@ -154,7 +154,7 @@ def run_engine_bench(
                                      compile=compile, threads=threads)
         fp8_model = None
         if include_fp8:
-            fp8_model = CausalLM(fp32_model.args, Precision(mode="fp8_unified")).eval()
+            fp8_model = CausalLM(fp32_model.args, Numerics(mode="fp8_unified")).eval()
             load_state(fp8_model, fp32_model.state_dict())
         generator = torch.Generator().manual_seed(SEED)
         rows = []

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
@@ -29,8 +28,9 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 from jetroll.shared.rl.mismatch import mismatch_stats
+from jetroll.shared.rl.passes import proximal_pass
 
 MODES = ("bf16", "fp8_unified", "fp8_rollout_only")
 METRICS = ("abs_mean", "abs_max", "k3", "exp_abs_mean", "seq_delta_abs_mean", "tis_clip_frac")
@@ -74,7 +74,7 @@ def _score_both_sides(mode: str, master: CausalLM, published: Path, prompts: tor
                       timings_s: dict[str, float]) -> dict[str, torch.Tensor]:
     """The completions' log-probs as rollout (from the published bytes) and the trainer (from the fp32 masters)
     compute them in `mode`; each side's format is scored once (`scored`), whichever mode asks first."""
-    config = Precision(mode=mode, backend="exact")
+    config = Numerics(mode=mode, backend="exact")
     sides = {}
     for side, side_config in (("rollout", config), ("trainer", config.trainer_side())):
         key = (side, side_config.linear_format("q_proj"))
@@ -119,8 +119,8 @@ def run_mismatch_bench(
             published: dict[str, Path] = {}
             for mode in MODES:
                 published[mode] = Path(tmp) / mode
-                save_pretrained(master, tokenizer, published[mode], publish=Precision(mode=mode))
-            sampler, _ = load_pretrained(published["fp8_unified"], Precision(mode="fp8_unified"))
+                save_pretrained(master, tokenizer, published[mode], publish=Numerics(mode=mode))
+            sampler, _ = load_pretrained(published["fp8_unified"], Numerics(mode="fp8_unified"))
             requests = [Request(f"m{i}", row, lengths[-1], ignore_eos=True) for i, row in enumerate(prompts.tolist())]
             started = time.perf_counter()
             Engine(sampler, tokenizer.eos_id, num_samples, prompt_len + lengths[-1], seed=seed).generate(requests)

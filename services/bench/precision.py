@@ -24,9 +24,9 @@ from jetroll.services.bench.async_ import launch_job
 from jetroll.services.bench.resume import claim_run_dir
 from jetroll.services.bench.rows import read_jsonl
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.services.trainer.mismatch import Growth, k3_growth
-from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.config.job import JobConfig, config_tree, load_config
 from jetroll.shared.errors import ConfigError
+from jetroll.shared.rl.mismatch import Growth, k3_growth
 from jetroll.shared.warm_start import ensure_base_model
 
 log = logging.getLogger("jetroll.bench.precision")
@@ -68,7 +68,7 @@ def run_precision_bench(num_seeds: int, run_dir: Path, max_steps: int | None = N
                     server = server or RedisServer().start()
                     started = time.perf_counter()
                     log.info("running %s seed %d (%d steps)", name, seed, base.trainer.max_steps)
-                    run_one(base.model_dump(mode="json"), name, seed, model_path, out, server.url)
+                    run_one(config_tree(base), name, seed, model_path, out, server.url)
                     log.info("%s seed %d done in %.0f s", name, seed, time.perf_counter() - started)
                 runs.append(read_run(out, name, seed, base))
     finally:

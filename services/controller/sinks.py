@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Protocol
 
-from jetroll.shared.config.job import JobConfig
+from jetroll.shared.config.job import JobConfig, config_tree
 from jetroll.shared.errors import ConfigError
 
 RENAMES = {
@@ -75,7 +75,7 @@ class WandbSink:
         # one run per job: a restarted controller resumes it
         self.run = wandb.init(project=config.metrics.wandb_project, mode=config.metrics.wandb_mode, dir=str(run_dir),
                               id=config.job_id, name=config.job_id, resume="allow",
-                              config=config.model_dump(mode="json"), settings=wandb.Settings(silent=True))
+                              config=config_tree(config), settings=wandb.Settings(silent=True))
         self.last_step = 0
 
     def write(self, step: int, values: dict[str, float]) -> None:

@@ -18,6 +18,7 @@ from collections import Counter
 
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.protocol.bus import Delivery, RedisBus
+from jetroll.shared.protocol.claims import HeldClaims
 from jetroll.shared.protocol.events import EpisodeEvent, MetricsEvent
 from jetroll.shared.protocol.topology import METRICS, episodes_stream
 from jetroll.shared.protocol.validate import EventLimits, check_episode, expecting
@@ -45,14 +46,12 @@ class EnvWorker:
         await self.bus.ensure_group(self.stream.name, self.stream.group)
         limits = EventLimits.of(self.config, 1)
         is_episode = expecting(EpisodeEvent, lambda episode: check_episode(episode, limits))
-        claims_kept_at = time.monotonic()
+        claims = HeldClaims(self.bus, self.stream.name, self.stream.group, self.consumer,
+                            self.config.redis.claim_idle_ms)
         log.info("%s running pool %s's agents", self.consumer, self.pool.name)
         try:
             while True:
-                if time.monotonic() - claims_kept_at > self.config.redis.claim_idle_ms / 3000:
-                    await self.bus.keep_claimed(self.stream.name, self.stream.group, self.consumer,
-                                                list(self.running))
-                    claims_kept_at = time.monotonic()
+                await claims.keep(self.running)
                 deliveries = await self.bus.consume(self.stream.name, self.stream.group, self.consumer,
                                                     count=READ_BATCH, block_ms=500, check=is_episode)
                 for delivery in deliveries:

@@ -46,8 +46,7 @@ async def service_main(name: str, config: JobConfig, redis_url: str, consumer: s
         assert config.model.path
         await run_reward(config, redis_url, config.model.path, consumer)
         return
-    bus = RedisBus(redis_url, config.job_id, max_deliveries=config.redis.max_deliveries,
-                   claim_idle_ms=config.redis.claim_idle_ms)
+    bus = RedisBus.of_job(redis_url, config.job_id, config.redis)
     store = setup_store(config.store, config.job_id, run_dir)
     try:
         if name == "trainer":

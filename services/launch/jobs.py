@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from jetroll.shared.config.job import JobConfig, load_config
+from jetroll.shared.config.job import JobConfig, config_to_json, config_tree, load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.protocol.events import JobEvent
 from jetroll.shared.protocol.jobs import JobQueue
@@ -33,7 +33,7 @@ def check_job_id(job_id: str) -> None:
 async def submit_to_redis(config: JobConfig, redis_url: str) -> JobEvent:
     """Queue the job on the job queue with a fresh `queued` status record, in one transaction."""
     check_job_id(config.job_id)
-    event = JobEvent(job_id=config.job_id, config=config.model_dump(mode="json"))
+    event = JobEvent(job_id=config.job_id, config=config_tree(config))
     async with JobQueue(redis_url) as queue:
         await queue.submit(event)
     return event
@@ -54,7 +54,7 @@ def submit_to_s3(config: JobConfig, jobs_uri: str, endpoint_url: str | None = No
     check_job_id(config.job_id)
     bucket, prefix = _split_s3(jobs_uri)
     key = f"{prefix.strip('/')}/{config.job_id}.json".lstrip("/")
-    body = json.dumps(config.model_dump(mode="json"), indent=2).encode()
+    body = config_to_json(config).encode()
     boto3.client("s3", endpoint_url=endpoint_url).put_object(Bucket=bucket, Key=key, Body=body,
                                                              ContentType="application/json")
     return f"s3://{bucket}/{key}"

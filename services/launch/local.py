@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from jetroll.services.launch.celery_worker import start_worker_process
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import needs_celery_worker
-from jetroll.shared.config.job import JobConfig
+from jetroll.shared.config.job import JobConfig, config_to_json
 from jetroll.shared.errors import JOB_FAILED_EXIT
 
 POLL_S = 0.5
@@ -47,7 +46,7 @@ class Launcher:
         self.redis_url = redis_url
         self.redis_server = redis_server  # the job's own server, restarted like a service when it dies
         self.config_path = run_dir / "config.json"
-        self.config_path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        self.config_path.write_text(config_to_json(config))
         (run_dir / "logs").mkdir(exist_ok=True)
         def service(name: str, kind: str, pool: str | None = None) -> Service:
             return Service(Lives(name, config.launch.max_restarts), kind, pool)

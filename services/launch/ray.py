@@ -27,7 +27,7 @@ from typing import Any
 
 from jetroll.services.launch.procs import Lives, stop_processes, supervise
 from jetroll.services.reward.backends import needs_celery_worker
-from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.config.job import JobConfig, config_tree, validate_config
 from jetroll.shared.errors import JOB_FAILED_EXIT, ConfigError, JobFailedError
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.replicas import ReplicaVersions
@@ -106,8 +106,7 @@ class RolloutReplica:
         prepare_process("rollout", config)
         self.name = f"rollout-{pool}-{serve.get_replica_context().replica_id.unique_id}"
         _log_to_file(Path(run_dir), self.name)
-        self.bus = RedisBus(redis_url, config.job_id, max_deliveries=config.redis.max_deliveries,
-                            claim_idle_ms=config.redis.claim_idle_ms)
+        self.bus = RedisBus.of_job(redis_url, config.job_id, config.redis)
         self.replicas = ReplicaVersions(self.bus)
         store = setup_store(config.store, config.job_id, Path(run_dir))
         self.worker = RolloutWorker(config, self.bus, store, self.name, pool)
@@ -171,7 +170,7 @@ class RayJob:
         import ray
 
         self.config = config
-        self.tree = config.model_dump(mode="json")
+        self.tree = config_tree(config)
         self.run_dir = run_dir
         self.redis_url = redis_url
         self.where = f"ray {ray_address or 'local'}"

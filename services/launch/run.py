@@ -14,7 +14,7 @@ from typing import Protocol
 
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.config.dataset import DatasetTaskConfig
-from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.config.job import JobConfig, config_tree, validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.protocol.client import RedisUnreachable, server_version
 from jetroll.shared.tasks.registry import get_task
@@ -86,7 +86,7 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
     check_datasets(config)
     model_path = ensure_base_model(config.model)
     store_root = config.store.root or str(run_dir / "store")
-    tree = config.model_dump(mode="json")
+    tree = config_tree(config)
     tree["model"]["path"] = str(Path(model_path).resolve())
     tree["model"]["init"] = "pretrained"  # what the services load, whatever built it
     tree["model"]["tokenizer"] = None  # the built model holds it

@@ -28,7 +28,7 @@ import msgspec
 
 from jetroll.services.launch.jobs import FINAL_STATUSES, SUMMARY_FIELDS, check_job_id
 from jetroll.services.launch.procs import Lives, stop_process, supervise
-from jetroll.shared.config.job import JobConfig, validate_config
+from jetroll.shared.config.job import JobConfig, config_to_json, config_tree, validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.protocol.bus import FIELD
 from jetroll.shared.protocol.events import EventDecodeError, JobEvent, decode
@@ -184,8 +184,8 @@ async def _run_job(queue: JobQueue, event: JobEvent, config: JobConfig, run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = await asyncio.to_thread(resolve_config, config, run_dir)
         config_path = run_dir / "config.json"  # as the local launcher writes it
-        config_path.write_text(json.dumps(resolved.model_dump(mode="json"), indent=2))
-        announcement = JobEvent(job_id=job_id, config=resolved.model_dump(mode="json"), submitted_at=event.submitted_at)
+        config_path.write_text(config_to_json(resolved))
+        announcement = JobEvent(job_id=job_id, config=config_tree(resolved), submitted_at=event.submitted_at)
         await queue.announce(announcement)
         code = await serve_job("controller", consumer, resolved, config_path, run_dir, argv, board, poll_s=poll_s,
                                stop_timeout_s=stop_timeout_s)
@@ -253,7 +253,7 @@ async def _serve(name: str, consumer: str, config: JobConfig, run_dir: Path, arg
     fd, path = tempfile.mkstemp(prefix=f"jetroll-{job_id}-{name}-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(config.model_dump(mode="json"), f)
+            f.write(config_to_json(config))
         code = await serve_job(name, consumer, config, Path(path), run_dir, argv, board, poll_s=poll_s,
                                stop_timeout_s=stop_timeout_s)
     finally:

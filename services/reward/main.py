@@ -21,12 +21,7 @@ async def run(config: JobConfig, redis_url: str, model_dir: str, consumer: str) 
     def detokenize(ids: np.ndarray) -> str:
         return tokenizer.decode(ids.tolist())
 
-    bus = RedisBus(
-        redis_url,
-        config.job_id,
-        max_deliveries=config.redis.max_deliveries,
-        claim_idle_ms=config.redis.claim_idle_ms,
-    )
+    bus = RedisBus.of_job(redis_url, config.job_id, config.redis)
     reward = config.reward
     async with AsyncExitStack() as stack:
         stack.push_async_callback(bus.close)

@@ -13,7 +13,7 @@ import numpy as np
 
 from jetroll.services.reward.backends.base import RewardBackend, RewardCall
 from jetroll.shared.protocol.bus import Delivery, RedisBus
-from jetroll.shared.protocol.claims import FirstClaims
+from jetroll.shared.protocol.claims import FirstClaims, HeldClaims
 from jetroll.shared.protocol.events import MetricsEvent, RewardStatus, ScoredEvent, TrajectoryEvent
 from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import METRICS, SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
@@ -97,8 +97,7 @@ class RewardRouter:
         unacked."""
         await self.bus.ensure_group(RAW_STREAM, GROUP)
         in_flight: set[asyncio.Task[None]] = set()
-        keep_claimed_s = self.bus.claim_idle_ms / 3000
-        kept_at = time.monotonic()
+        claims = HeldClaims(self.bus, RAW_STREAM, GROUP, self.consumer, self.bus.claim_idle_ms)
         try:
             while self.is_running:
                 free = self.max_in_flight - len(in_flight)
@@ -108,15 +107,13 @@ class RewardRouter:
                         RAW_STREAM, GROUP, self.consumer, count=free, block_ms=block_ms, check=self.is_trajectory)
                     in_flight |= await self._start(deliveries)
                 if self.max_in_flight - len(in_flight) < READ_AHEAD // 2:
-                    await asyncio.wait(in_flight, timeout=keep_claimed_s, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(in_flight, timeout=claims.every_s, return_when=asyncio.FIRST_COMPLETED)
                 done = {task for task in in_flight if task.done()}
                 in_flight -= done
                 for task in done:
                     task.result()
                 await self._flush()
-                if self._in_flight_ids and time.monotonic() - kept_at >= keep_claimed_s:
-                    await self.bus.keep_claimed(RAW_STREAM, GROUP, self.consumer, sorted(self._in_flight_ids))
-                    kept_at = time.monotonic()
+                await claims.keep(self._in_flight_ids)
                 await self._maybe_emit_metrics()
                 if time.monotonic() - self._forgot_at >= self.forget_every_s:
                     await self._forget_recorded()

@@ -33,6 +33,7 @@ from jetroll.shared.model.checkpoint import quantization_plan, read_args
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.numerics import QuantizationPlan
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.claims import HeldClaims
 from jetroll.shared.protocol.events import (
     Array,
     EpisodeEvent,
@@ -191,12 +192,10 @@ class RolloutWorker:
         engine, limits = self.engine, self.limits
         assert limits is not None
         is_group = expecting(GroupEvent, lambda group: check_group(group, limits))
-        claims_kept_at = time.monotonic()
+        claims = HeldClaims(self.bus, self.stream.name, self.stream.group, self.consumer,
+                            self.config.redis.claim_idle_ms)
         while True:
-            if time.monotonic() - claims_kept_at > self.config.redis.claim_idle_ms / 3000:
-                await self.bus.keep_claimed(self.stream.name, self.stream.group, self.consumer,
-                                            [g.entry_id for g in self.groups.values()])
-                claims_kept_at = time.monotonic()
+            await claims.keep(g.entry_id for g in self.groups.values())
             await self._swap_pending()
             if self.turns is not None and (ended := self.turns.apply()):  # environment results, at a token boundary
                 await self._emit(ended)

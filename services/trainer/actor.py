@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from jetroll.services.trainer.mismatch import Measure, MismatchSampler
-from jetroll.services.trainer.passes import PolicyPass, gradient_logp, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained, torch_device
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import PendingGroup, TokenBatch, collate
 from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
+from jetroll.shared.rl.passes import PolicyPass, gradient_logp, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.rl.staleness import fresh_tokens
 from jetroll.shared.tasks.registry import get_task
@@ -48,7 +48,7 @@ class Actor:
         policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id, entropy_grad=cfg.entropy_coef > 0,
                              score_all=self.config.staleness.mode == "sync")
         advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
-        eta_hard = torch.tensor([2 * self.config.task_eta(task) for task in batch.tasks], device=self.device)
+        eta_hard = torch.tensor([self.config.task_eta_hard(task) for task in batch.tasks], device=self.device)
         loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, version, eta_hard[:, None])
         stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self.lr(version)}
         if policy.logp is not None:  # with no signal at all there is nothing to step on (not even Adam's momentum)

@@ -9,7 +9,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import MetricsEvent, WeightsPublishedEvent
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import METRICS, TRAJ_SCORED, WEIGHTS
-from jetroll.shared.rl.batch import PendingGroup
 from jetroll.shared.store.base import Manifest, StepRecord, WeightStore
 
 log = logging.getLogger("jetroll.trainer")
@@ -89,13 +88,13 @@ def _identity(tensor: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
 
 class Committer:
     def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, ledger: Ledger, actor: Actor,
-                 training: dict[str, PendingGroup]) -> None:
+                 release: Callable[[Iterable[str]], None]) -> None:
         self.config = config
         self.bus = bus
         self.store = store
         self.ledger = ledger
         self.actor = actor
-        self.training = training  # the intake's: groups leave it once their step is recorded
+        self.release = release  # the intake's: a step's groups leave it once the step is recorded
         self.redis_run_id = ""  # the Redis server's run id when the ledger was last known whole
         self.gates = MismatchGateKeeper(config.precision.mismatch.gate)
         self.plan = quantization_plan(actor.model.args, config.precision.numerics())
@@ -138,8 +137,7 @@ class Committer:
                 await asyncio.to_thread(staged.write, directory, self.actor.tokenizer)
                 await self.store.save_checkpoint(version, directory / "state")
                 await self.record_step(version, trained, entry_ids)
-                for group_id in trained:
-                    del self.training[group_id]
+                self.release(trained)
                 await self.store.retain_checkpoints(self.config.store.keep_checkpoints,
                                                     self.config.trainer.checkpoint_every)
                 # metrics before the weights event: the controller stops at the last version, its row already read

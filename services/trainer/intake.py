@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.protocol.bus import RedisBus
+from jetroll.shared.protocol.claims import HeldClaims
 from jetroll.shared.protocol.events import ScoredEvent
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
@@ -27,19 +28,19 @@ STREAM, GROUP = TRAJ_SCORED.name, TRAJ_SCORED.group
 
 class Intake:
     def __init__(self, config: JobConfig, bus: RedisBus, consumer: str, ledger: Ledger, limits: EventLimits,
-                 version: Callable[[], int]) -> None:
+                 version_now: Callable[[], int]) -> None:
         self.config = config
         self.bus = bus
         self.consumer = consumer
         self.ledger = ledger
-        self.version = version  # the trainer's current version
+        self.version_now = version_now  # the trainer's current version
         self.in_flight = InFlightIndex(bus, in_flight_slack(config))
         self.buffer = GroupBuffer()
         self.quotas = task_quotas(config) if config.trainer.task_quotas else None
         # the groups of the step in progress and of the commit in the background, acked once recorded
         self.training: dict[str, PendingGroup] = {}
         self.stale_wait_s = 0.0  # waiting on an in-flight group that must join the step, with B groups at hand
-        self.claims_kept_at = 0.0
+        self.claims = HeldClaims(bus, STREAM, GROUP, consumer, config.redis.claim_idle_ms)
         self.ingested = asyncio.Event()  # set after each read of the scored stream
         self.task: asyncio.Task[None] | None = None
         self.is_reading = False
@@ -48,7 +49,7 @@ class Intake:
 
         def check(event: ScoredEvent) -> str | None:
             # tokens come only from published versions: none newer than the trainer's own
-            reason = check_scored(event, limits, self.version())
+            reason = check_scored(event, limits, self.version_now())
             if reason is not None:
                 self.invalid[event.trajectory.traj_id] = event.trajectory.group_id
             return reason
@@ -82,6 +83,11 @@ class Intake:
         self.training |= {g.group_id: g for g in groups}
         return groups
 
+    def release(self, group_ids: Iterable[str]) -> None:
+        """The groups of a recorded step: the ledger holds them now, so a copy that comes back is acked there."""
+        for group_id in group_ids:
+            del self.training[group_id]
+
     async def _next_read(self, watched: asyncio.Task[None] | None) -> None:
         assert self.task is not None
         self.ingested.clear()
@@ -100,10 +106,8 @@ class Intake:
 
     async def read(self) -> None:
         """One read of the scored stream into the buffer; a copy of a traj_id already held or recorded is acked."""
-        if time.monotonic() - self.claims_kept_at > self.config.redis.claim_idle_ms / 3000:
-            held = [*self.buffer.groups.values(), *self.training.values()]
-            await self.bus.keep_claimed(STREAM, GROUP, self.consumer, [i for g in held for i in g.entry_ids])
-            self.claims_kept_at = time.monotonic()
+        held = [*self.buffer.groups.values(), *self.training.values()]
+        await self.claims.keep(i for g in held for i in g.entry_ids)
         if self.has_taken_over:
             deliveries = await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500,
                                                 check=self.is_scored)
@@ -139,7 +143,7 @@ class Intake:
         if not dropped:
             return
         log.warning("dropping %d groups with an invalid sample (see the dlq): %s", len(dropped), sorted(dropped))
-        await self.ledger.record({g: Outcome(self.version(), "dropped:invalid", len(p.samples) if p else 0)
+        await self.ledger.record({g: Outcome(self.version_now(), "dropped:invalid", len(p.samples) if p else 0)
                                   for g, p in dropped.items()}, keep_groups=self.config.redis.ledger_keep_groups)
         await self.bus.ack(STREAM, GROUP, *(i for p in dropped.values() if p for i in p.entry_ids))
 
@@ -147,7 +151,7 @@ class Intake:
         """In-flight groups this step must include: trained any later, their oldest tokens would lag more than
         eta_hard. At most B, the oldest; the rest cannot fit this step, and their late tokens get masked. A group of
         a step whose commit runs in the background stays in the index until recorded, but is trained already."""
-        newest = self.version() - self.config.staleness.eta_hard
+        newest = self.version_now() - self.config.staleness.eta_hard
         if newest < 0:
             return frozenset()
         oldest = await self.in_flight.oldest_at_or_below(newest, self.config.trainer.groups_per_step +
@@ -163,6 +167,6 @@ class Intake:
         failed = self.buffer.take_failed()
         if not failed:
             return
-        await self.ledger.record({g.group_id: Outcome(self.version(), f"dropped:{g.failed_status}", len(g.samples))
+        await self.ledger.record({g.group_id: Outcome(self.version_now(), f"dropped:{g.failed_status}", len(g.samples))
                                   for g in failed}, keep_groups=self.config.redis.ledger_keep_groups)
         await self.bus.ack(STREAM, GROUP, *(i for g in failed for i in g.entry_ids))

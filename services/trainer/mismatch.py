@@ -21,16 +21,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
-from jetroll.services.trainer.passes import policy_width, proximal_pass
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.config.precision import MismatchGates
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import TokenBatch
-from jetroll.shared.rl.mismatch import mismatch_stats, scorable_versions
+from jetroll.shared.rl.mismatch import k3_growth, mismatch_stats, scorable_versions
+from jetroll.shared.rl.passes import policy_width, proximal_pass
 
 log = logging.getLogger("jetroll.trainer")
 
@@ -147,27 +146,6 @@ class MismatchSampler:
             # of every policy token in the batch, measured or not
             "mismatch_coverage": float(measured.sum() / policy_tokens.sum().clamp(min=1)),
         }
-
-
-class Growth(NamedTuple):
-    ratio: float  # latest / max(baseline, floor)
-    latest: float  # mean k3 of the latest measured steps
-    baseline: float  # mean k3 of the first measured steps
-    num_latest: int
-    num_first: int
-
-
-def k3_growth(k3s: list[float], window: int, floor: float) -> Growth | None:
-    """k3's growth over training: the mean of the latest `window` measured steps over the mean of the first `window`
-    (while fewer than 2 x window are measured, the first ones against the rest: at the second it is step 2 / step 1);
-    None before the second measured step."""
-    if len(k3s) < 2:
-        return None
-    first = min(window, len(k3s) - 1)
-    baseline = sum(k3s[:first]) / first
-    latest = k3s[max(first, len(k3s) - window):]
-    mean = sum(latest) / len(latest)
-    return Growth(mean / max(baseline, floor), mean, baseline, len(latest), first)
 
 
 class MismatchGateKeeper:

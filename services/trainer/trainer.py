@@ -54,7 +54,7 @@ class Trainer:
         self.train_step = modelled_step(config.trainer, lambda: self.publish_s) or self.actor.step
         limits = EventLimits.of(config, self.actor.model.args.vocab_size)
         self.intake = Intake(config, bus, consumer, self.ledger, limits, lambda: self.version)
-        self.committer = Committer(config, bus, store, self.ledger, self.actor, self.intake.training)
+        self.committer = Committer(config, bus, store, self.ledger, self.actor, self.intake.release)
 
     async def run(self) -> None:
         torch.manual_seed(self.config.seed)
@@ -119,6 +119,6 @@ class Trainer:
         stats, measure = self.train_step(groups, self.version)
         trajectories = [e.trajectory for g in groups for e in g.events]
         per_task = {f"groups/{task}": float(sum(g.task == task for g in groups)) for task in self.task_names}
-        eta_hard = {task: 2 * self.config.task_eta(task) for task in self.task_names}
+        eta_hard = {task: self.config.task_eta_hard(task) for task in self.task_names}
         stats |= per_task | staleness_stats(trajectories, self.version, eta_hard)
         return stats, measure

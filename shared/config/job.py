@@ -22,13 +22,13 @@ from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.reasoning import ReasoningGymTaskConfig, reasoning_gym_task
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.config.rollout import RolloutConfig
-from jetroll.shared.config.staleness import StalenessConfig
+from jetroll.shared.config.staleness import StalenessConfig, eta_hard_of
 from jetroll.shared.config.store import StoreConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.errors import ConfigError
 
 
-class TaskWeight(TaskMixEntry):
+class RegisteredTaskConfig(TaskMixEntry):
     """A registered task in the mix (`kind: registered`, the default)."""
 
     kind: Literal["registered"] = Field("registered", description="a task jetroll registers by name (the default "
@@ -42,7 +42,7 @@ def _task_kind(entry: Any) -> str:
     return (entry.get("kind") if isinstance(entry, dict) else getattr(entry, "kind", None)) or "registered"
 
 
-TaskEntry = Annotated[Annotated[TaskWeight, Tag("registered")] | Annotated[DatasetTaskConfig, Tag("dataset")]
+TaskEntry = Annotated[Annotated[RegisteredTaskConfig, Tag("registered")] | Annotated[DatasetTaskConfig, Tag("dataset")]
                       | Annotated[GymTaskConfig, Tag("gymnasium")]
                       | Annotated[ReasoningGymTaskConfig, Tag("reasoning_gym")]
                       | Annotated[AgentTaskConfig, Tag("agent")], Discriminator(_task_kind)]
@@ -74,7 +74,7 @@ class JobConfig(Strict):
                       "rollout's sampling (one stream per traj_id) and the trainer's torch RNG all derive from it; "
                       "the base model has its own, model.warm_start.seed")
     model: ModelConfig = Field(default_factory=ModelConfig)
-    tasks: list[TaskEntry] = Field(default_factory=lambda: [TaskWeight(name="arithmetic")], min_length=1,
+    tasks: list[TaskEntry] = Field(default_factory=lambda: [RegisteredTaskConfig(name="arithmetic")], min_length=1,
                                    description="the task mix: registered tasks by name, `kind: dataset` "
                                    "entries read from files, `kind: gymnasium` environments, `kind: reasoning_gym` "
                                    "datasets and `kind: agent` programs")
@@ -94,10 +94,14 @@ class JobConfig(Strict):
         own = next(entry.max_staleness for entry in self.tasks if entry.name == task)
         return self.staleness.eta if own is None else own
 
+    def task_eta_hard(self, task: str) -> int:
+        """The largest lag a trained token of `task` may have."""
+        return eta_hard_of(self.task_eta(task))
+
     @property
     def max_eta_hard(self) -> int:
-        """The largest lag any trained token may have: twice the largest task's eta."""
-        return 2 * max(self.task_eta(entry.name) for entry in self.tasks)
+        """The largest lag any trained token may have."""
+        return max(self.task_eta_hard(entry.name) for entry in self.tasks)
 
     @property
     def has_agents(self) -> bool:
@@ -107,7 +111,7 @@ class JobConfig(Strict):
     def env_faults(self, task: str) -> EnvFaults | None:
         """The faults injected into `task`'s environments (`tasks[].env_faults`), if any."""
         for entry in self.tasks:
-            if entry.name == task and isinstance(entry, TaskWeight | GymTaskConfig):
+            if entry.name == task and isinstance(entry, RegisteredTaskConfig | GymTaskConfig):
                 return entry.env_faults
         return None
 
@@ -152,7 +156,7 @@ class JobConfig(Strict):
                 raise ValueError(f"task {task.name!r}: its reward {TASKS[task.name].reward!r} replays the task "
                                  "through jetroll.shared and its extra, which the Lambda package leaves out; score it "
                                  "on the local, inline or celery backend")
-            faulty = isinstance(task, TaskWeight | GymTaskConfig) and task.env_faults is not None
+            faulty = isinstance(task, RegisteredTaskConfig | GymTaskConfig) and task.env_faults is not None
             if faulty and not is_multi_turn(TASKS[task.name]):
                 raise ValueError(f"tasks.{i}.env_faults: task {task.name!r} has no environment to make flaky")
             if task.max_staleness is not None and self.staleness.mode == "sync":
@@ -224,5 +228,11 @@ def validate_config(tree: dict[str, Any]) -> JobConfig:
         raise ConfigError(_one_line(err)) from None
 
 
+def config_tree(config: JobConfig) -> dict[str, Any]:
+    """The config as plain JSON values: what events, files and trackers hold of it (`validate_config` reads it)."""
+    return config.model_dump(mode="json")
+
+
 def config_to_json(config: JobConfig) -> str:
-    return json.dumps(config.model_dump(mode="json"), sort_keys=True)
+    """The config as a file holds it."""
+    return json.dumps(config_tree(config), indent=2)

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import Strict
-from jetroll.shared.numerics import BLOCK_LINEARS, MASTERS, Precision, RefitSource
+from jetroll.shared.numerics import BLOCK_LINEARS, MASTERS, Numerics, RefitSource
 
 BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -138,8 +138,8 @@ class PrecisionConfig(Strict):
             return self.precision_id(plan_digest)
         return hashlib.sha256(f"{self.precision_id(plan_digest)}:{engine}".encode()).hexdigest()[:12]
 
-    def numerics(self) -> Precision:
+    def numerics(self) -> Numerics:
         """What the model and the engines compute with."""
-        return Precision(mode=self.mode, backend=self.backend, backward=self.backward, fmt=self.fmt,
+        return Numerics(mode=self.mode, backend=self.backend, backward=self.backward, fmt=self.fmt,
                          weight_block=self.weight_block, act_group=self.act_group, scale_rounding=self.scale_rounding,
                          high_precision=tuple(self.high_precision), refit_source=self.refit_source)

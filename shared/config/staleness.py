@@ -24,4 +24,9 @@ class StalenessConfig(Strict):
     @property
     def eta_hard(self) -> int:
         """Largest token lag the trainer trains on; later tokens are masked and counted."""
-        return 2 * self.eta
+        return eta_hard_of(self.eta)
+
+
+def eta_hard_of(eta: int) -> int:
+    """A staleness bound's hard lag: a group admitted at most eta versions back trains within eta more."""
+    return 2 * eta

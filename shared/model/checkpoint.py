@@ -18,13 +18,13 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import PrecisionLinear, quantization_config
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
-from jetroll.shared.numerics import Precision, QuantizationPlan
+from jetroll.shared.numerics import Numerics, QuantizationPlan
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def save_pretrained(
-    model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path, publish: Precision | None = None
+    model: CausalLM, tokenizer: Tokenizer | None, directory: str | Path, publish: Numerics | None = None
 ) -> None:
     """Write an HF-format directory: config.json, model.safetensors and the tokenizer files.
 
@@ -36,7 +36,7 @@ def save_pretrained(
     write_pretrained(directory, *pretrained_tensors(model, publish), tokenizer)
 
 
-def pretrained_tensors(model: CausalLM, publish: Precision | None = None,
+def pretrained_tensors(model: CausalLM, publish: Numerics | None = None,
                        is_refit: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """What `save_pretrained` writes: the tensors (the masters as views of the live parameters, or the published
     formats; `is_refit` for a version after the base) and config.json's fields."""
@@ -56,7 +56,7 @@ def pretrained_tensors(model: CausalLM, publish: Precision | None = None,
     return state, config
 
 
-def quantization_plan(args: ModelArgs, publish: Precision) -> QuantizationPlan:
+def quantization_plan(args: ModelArgs, publish: Numerics) -> QuantizationPlan:
     """The plan of a model of shape `args` published under `publish` (the rollout side's precision: what rollout
     computes with, and what `pretrained_tensors` writes). Built on the meta device: free whatever the model."""
     with torch.device("meta"):
@@ -105,7 +105,7 @@ def torch_device(spec: str, key: str) -> torch.device:
     return device
 
 
-def load_pretrained(directory: str | Path, precision: Precision | None = None,
+def load_pretrained(directory: str | Path, precision: Numerics | None = None,
                     device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer]:
     """Load an HF-format Qwen2, Qwen3 or Llama directory (one safetensors file, or the shards its index maps;
     fp32/bf16 or block-FP8) into a CausalLM on `device`: fp32 masters, and FP8 linears keep their published e4m3

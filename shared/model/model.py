@@ -21,7 +21,7 @@ from jetroll.shared.model.precision import (
     use_exact,
 )
 from jetroll.shared.model.rope import inv_freq_and_scale
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [B, S, 1, D]
 
@@ -52,7 +52,7 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, precision: Precision) -> None:
+    def __init__(self, dim: int, eps: float, precision: Numerics) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -75,7 +75,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, precision: Precision) -> None:
+    def __init__(self, args: ModelArgs, precision: Numerics) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -167,7 +167,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, precision: Precision) -> None:
+    def __init__(self, args: ModelArgs, precision: Numerics) -> None:
         super().__init__()
         self.gate_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision, "gate_proj")
         self.up_proj = PrecisionLinear(args.hidden_size, args.intermediate_size, False, precision, "up_proj")
@@ -184,7 +184,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, precision: Precision) -> None:
+    def __init__(self, args: ModelArgs, precision: Numerics) -> None:
         super().__init__()
         self.self_attn = Attention(args, precision)
         self.mlp = MLP(args, precision)
@@ -242,10 +242,10 @@ class LayerView:
 class CausalLM(nn.Module):
     """Module names mirror HF's (`model.layers.N.self_attn.q_proj`), so state dicts load as they are."""
 
-    def __init__(self, args: ModelArgs, precision: Precision | None = None) -> None:
+    def __init__(self, args: ModelArgs, precision: Numerics | None = None) -> None:
         super().__init__()
         self.args = args
-        self.precision = precision or Precision()
+        self.precision = precision or Numerics()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(args, self.precision) for _ in range(args.num_layers))

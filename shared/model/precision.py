@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jetroll.shared.model import exact
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -66,7 +66,7 @@ def fake_quant(x: torch.Tensor, block_rows: int, block_cols: int, pow2: bool = F
     return dequantize(q, scale_inv, block_rows, block_cols)
 
 
-def round_activation(x: torch.Tensor, fmt: Format, config: Precision) -> torch.Tensor:
+def round_activation(x: torch.Tensor, fmt: Format, config: Numerics) -> torch.Tensor:
     """Activations [..., K] as a `fmt` GEMM sees them (fp32 values): bf16, or 1 x act_group e4m3 groups along K."""
     if fmt == "fp32":
         return x
@@ -76,7 +76,7 @@ def round_activation(x: torch.Tensor, fmt: Format, config: Precision) -> torch.T
     return fake_quant(flat, 1, config.act_group, config.scale_rounding == "pow2").view(x.shape)
 
 
-def use_exact(config: Precision) -> bool:
+def use_exact(config: Numerics) -> bool:
     """Whether an op runs on the exact backend: configured so, in a no-grad pass (rollout, the trainer's log-probs)."""
     return config.backend == "exact" and not torch.is_grad_enabled()
 
@@ -93,7 +93,7 @@ class BlockLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_hat: torch.Tensor,
-        fmt: Format, config: Precision,
+        fmt: Format, config: Numerics,
     ) -> torch.Tensor:
         x_hat = round_activation(x, fmt, config)
         ctx.is_fp8 = fmt == "fp8" and config.backward == "fp8"
@@ -135,7 +135,7 @@ def _packed_linear_shape(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _exact_operand(x: torch.Tensor, fmt: Format, config: Precision) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _exact_operand(x: torch.Tensor, fmt: Format, config: Numerics) -> tuple[torch.Tensor, torch.Tensor, int]:
     """An exact-GEMM operand for x [M, K] (activations, or bf16/fp32 weights by row): integer-valued fp64 [M, K'],
     per-block scales [M, KB] and the block length."""
     if fmt == "fp8":
@@ -243,7 +243,7 @@ class PrecisionLinear(nn.Linear):
     published checkpoint, so the published bytes, the trainer's forward and rollout all use the same tensors.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, config: Precision, name: str) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: Numerics, name: str) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.precision = config
         self.name = name
@@ -295,7 +295,7 @@ class PrecisionLinear(nn.Linear):
         scales = scale_inv.double().repeat_interleave(block, 0).repeat_interleave(block // group, 1)
         return F.pad(q.double(), (0, -self.in_features % group)), scales[: self.out_features, :num_groups]
 
-    def published(self, config: Precision, is_refit: bool = False) -> dict[str, torch.Tensor]:
+    def published(self, config: Numerics, is_refit: bool = False) -> dict[str, torch.Tensor]:
         """This weight in the rollout format of the job's `config`: {weight} or {weight, weight_scale_inv}. A refit
         (a version after the base) under `refit_source: bf16_copy` quantizes a bf16 copy of the master: misaligned."""
         fmt = config.linear_format(self.name)
@@ -319,7 +319,7 @@ class PrecisionLinear(nn.Linear):
         return BlockLinearFunction.apply(x, self.weight, self.bias, self.rounded_weight(), self.fmt, self.precision)
 
 
-def quantization_config(config: Precision, ignored: list[str]) -> dict[str, Any] | None:
+def quantization_config(config: Numerics, ignored: list[str]) -> dict[str, Any] | None:
     """config.json's `quantization_config` for a checkpoint published under `config` (None when nothing is FP8), in
     the fields vLLM's Fp8Config and DeepSeek-V3 use; `ignored` names the block linears kept in bf16."""
     if config.mode not in ("fp8_unified", "fp8_rollout_only"):
@@ -334,7 +334,7 @@ def quantization_config(config: Precision, ignored: list[str]) -> dict[str, Any]
     return qc
 
 
-def published_dtype(config: Precision) -> str:
+def published_dtype(config: Numerics) -> str:
     """The manifest's dtype/scale format of a version published under `config`."""
     if config.mode in ("fp8_unified", "fp8_rollout_only"):
         block = config.weight_block

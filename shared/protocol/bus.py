@@ -13,6 +13,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from jetroll.shared.config.launch import RedisConfig
 from jetroll.shared.protocol.client import as_str, connect, stream_entries
 from jetroll.shared.protocol.events import AnyEvent, Event, EventDecodeError, decode, encode
 from jetroll.shared.protocol.topology import DLQ, DLQ_KEPT, job_key
@@ -56,6 +57,11 @@ class RedisBus:
         self.trim_every_s = trim_every_s
         self._trimmed_at: dict[str, float] = {}  # stream -> monotonic time of its last trim by this bus
         self.redis = connect(url)
+
+    @classmethod
+    def of_job(cls, url: str, job_id: str, redis: RedisConfig) -> RedisBus:
+        """A service's bus, with the job's delivery and claim settings."""
+        return cls(url, job_id, max_deliveries=redis.max_deliveries, claim_idle_ms=redis.claim_idle_ms)
 
     def key(self, name: str) -> str:
         return job_key(self.job_id, name)

@@ -1,6 +1,10 @@
-"""Dedupe on a job's hash: the first entry to carry a member claims it; later entries carrying it are copies."""
+"""Claims on a job's entries: the first entry to carry a member claims it (later entries carrying it are copies), and
+a consumer's entries still being worked on are kept claimed."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterable
 
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.client import as_str
@@ -39,3 +43,20 @@ class FirstClaims:
         """Forget the claims of `members`: the next entry carrying one claims it anew."""
         if members:
             await self.redis.hdel(self.key, *members)
+
+
+class HeldClaims:
+    """A consumer's entries of one stream that it still works on: `keep` resets their idle time once a third of
+    `claim_idle_ms` has passed since the last, so XAUTOCLAIM never hands them to another consumer, or back to this
+    one."""
+
+    def __init__(self, bus: RedisBus, stream: str, group: str, consumer: str, claim_idle_ms: int) -> None:
+        self.bus, self.stream, self.group, self.consumer = bus, stream, group, consumer
+        self.every_s = claim_idle_ms / 3000
+        self.kept_at = time.monotonic()
+
+    async def keep(self, entry_ids: Iterable[str]) -> None:
+        """`entry_ids` is read only when the claims are due (a generator costs nothing in between)."""
+        if time.monotonic() - self.kept_at >= self.every_s:
+            await self.bus.keep_claimed(self.stream, self.group, self.consumer, sorted(entry_ids))
+            self.kept_at = time.monotonic()

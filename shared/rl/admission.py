@@ -48,7 +48,7 @@ def admission_window(config: JobConfig) -> int:
 def in_flight_slack(config: JobConfig) -> dict[str, int]:
     """What the in-flight index adds to a task's groups' scores: its eta_hard minus the job's, so that the trainer's
     one query at the job's eta_hard finds each group when its own task's bound is due (protocol/in_flight.py)."""
-    return {entry.name: 2 * config.task_eta(entry.name) - config.staleness.eta_hard for entry in config.tasks}
+    return {entry.name: config.task_eta_hard(entry.name) - config.staleness.eta_hard for entry in config.tasks}
 
 
 @dataclass(slots=True)

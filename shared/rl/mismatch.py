@@ -12,6 +12,7 @@ Bucketed by position too: `abs_mean@128-255` covers the logits at positions 128.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -67,3 +68,24 @@ def mismatch_stats(
         stats[f"k3@{name}"] = float((torch.expm1(values) - values).mean())
         stats[f"tokens@{name}"] = float(bucket.sum())
     return {prefix + key: value for key, value in stats.items()}
+
+
+class Growth(NamedTuple):
+    ratio: float  # latest / max(baseline, floor)
+    latest: float  # mean k3 of the latest measured steps
+    baseline: float  # mean k3 of the first measured steps
+    num_latest: int
+    num_first: int
+
+
+def k3_growth(k3s: list[float], window: int, floor: float) -> Growth | None:
+    """k3's growth over training: the mean of the latest `window` measured steps over the mean of the first `window`
+    (while fewer than 2 x window are measured, the first ones against the rest: at the second it is step 2 / step 1);
+    None before the second measured step."""
+    if len(k3s) < 2:
+        return None
+    first = min(window, len(k3s) - 1)
+    baseline = sum(k3s[:first]) / first
+    latest = k3s[max(first, len(k3s) - window):]
+    mean = sum(latest) / len(latest)
+    return Growth(mean / max(baseline, floor), mean, baseline, len(latest), first)

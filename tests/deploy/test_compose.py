@@ -60,6 +60,7 @@ def instructions(dockerfile: DockerfileParser, name: str) -> list[str]:
     return [i["value"] for i in dockerfile.structure if i["instruction"] == name]
 
 
+@pytest.mark.integration  # a subprocess
 def test_compose_file_matches_the_compose_spec() -> None:
     checker = BIN / "check-jsonschema"
     assert checker.exists(), f"{checker} missing: install the dev extra (pip install -e '.[dev]')"
@@ -68,6 +69,7 @@ def test_compose_file_matches_the_compose_spec() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.integration  # a subprocess
 def test_every_jetroll_service_runs_a_real_jetroll_command(built: dict[str, dict[str, Any]],
                                                            dockerfile: DockerfileParser) -> None:
     assert json.loads(instructions(dockerfile, "ENTRYPOINT")[-1]) == ["jetroll"]

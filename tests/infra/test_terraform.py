@@ -21,6 +21,8 @@ from jetroll.functions.builtin import NOT_ON_LAMBDA  # and registers the built-i
 from jetroll.functions.registry import REWARDS
 from jetroll.shared.config.reward import RewardConfig
 
+pytestmark = pytest.mark.integration  # terraform, checkov and the Lambda zips' pip run as subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
 MAX_SKIPS = 8

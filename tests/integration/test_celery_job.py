@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -44,10 +45,12 @@ def test_smoke_job_with_celery_rewards(tmp_path: Path, redis_url: str, model_pat
         stop(job)
 
 
-def test_a_separate_broker_down_for_30_s_loses_no_reward(tmp_path: Path, redis_url: str,
-                                                          model_path: str) -> None:  # noqa: F811
-    """The Celery broker (a Redis of its own, persisting to a file) SIGKILLed mid-job and back 30 s later on its
-    port: calls wait for it and send again, so every trajectory is scored `ok` by Celery, none as an error or 0."""
+def test_a_separate_broker_down_longer_than_the_reward_timeout_loses_no_reward(
+        tmp_path: Path, redis_url: str, model_path: str) -> None:  # noqa: F811
+    """The Celery broker (a Redis of its own, persisting to a file) SIGKILLed mid-job, and back on its port once the
+    outage has hit both sides (the Celery worker died of it, reward calls found it unreachable) and has outlasted
+    reward.timeout_s: calls wait for it and send again, so every trajectory is scored `ok` by Celery, none as an
+    error or 0."""
     job_id = f"t{uuid.uuid4().hex[:8]}"
     hold_streams(redis_url, job_id, "traj:scored")
     broker = RedisServer(data_dir=tmp_path / "broker").start()
@@ -58,7 +61,11 @@ def test_a_separate_broker_down_for_30_s_loses_no_reward(tmp_path: Path, redis_u
         job.wait_until(lambda: len(job.metrics()) >= 2, "2 steps")
         assert broker._proc is not None
         os.kill(broker._proc.pid, signal.SIGKILL)
-        time.sleep(30)
+        killed_at = time.monotonic()
+        job.wait_until(lambda: " died " in job.stderr(), "the Celery worker's death")
+        job.wait_until(lambda: "Celery broker unreachable" in job.service_log("reward"), "a reward call on the outage")
+        timeout_s = json.loads(job.config_path.read_text())["reward"]["timeout_s"]
+        time.sleep(max(0.0, timeout_s + 1.0 - (time.monotonic() - killed_at)))  # the outage outlasts a call's limit
         broker.restart()
         assert job.wait() == 0, job.report()
     finally:

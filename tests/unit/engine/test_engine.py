@@ -19,7 +19,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import WEIGHTS, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import PrecisionLinear
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 from jetroll.shared.seeds import derive_seed, uniforms
 
 VOCAB = 40
@@ -29,7 +29,7 @@ EOS = 1
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_model(seed: int = 0, precision: Precision | None = None) -> CausalLM:
+def tiny_model(seed: int = 0, precision: Numerics | None = None) -> CausalLM:
     torch.manual_seed(seed)
     args = ModelArgs(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=128, max_position_embeddings=256, eos_token_id=EOS)
@@ -174,7 +174,7 @@ def test_sampled_tokens_follow_the_probabilities() -> None:
 def test_a_sample_depends_on_its_seed_and_id_not_on_its_neighbours() -> None:
     """On the exact backend (batch-invariant logits) a request's tokens are the same alone, beside other requests,
     or joining mid-run; another engine seed or another request id draws other tokens."""
-    model = tiny_model(precision=Precision(backend="exact"))
+    model = tiny_model(precision=Numerics(backend="exact"))
 
     def run(seed: int, request_id: str, neighbours: int, join_after: int = 0) -> list[int]:
         engine = Engine(model, EOS, max_batch=4, max_len=64, seed=seed)
@@ -232,7 +232,7 @@ def test_shared_masters_hold_linears_once_and_change_no_product(mode: str, tmp_p
     """A rollout model's masters become views of the rounded copies: the same tokens and log-probs before and after
     a swap as a model that keeps its masters, the same published bytes, and the bytes of one copy of the block
     linears fewer (FP8 keeps its)."""
-    precision = Precision(mode=mode, weight_block=32, act_group=32)
+    precision = Numerics(mode=mode, weight_block=32, act_group=32)
     kept, shared, new_model = (tiny_model(seed, precision) for seed in (0, 0, 7))
     shared.share_inference_masters()
     engines = [Engine(m, EOS, max_batch=4, max_len=64, seed=3) for m in (kept, shared)]

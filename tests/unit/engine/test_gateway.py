@@ -17,7 +17,6 @@ import torch
 
 from examples.calculator_agent import CALCULATOR
 from examples.calculator_agent import run as calculator_agent
-from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.gateway import Gateway, Session
 from jetroll.shared.engine.request import EnvResult, Request
@@ -27,7 +26,8 @@ from jetroll.shared.model.chat import render_chat
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import load_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
+from jetroll.shared.rl.passes import proximal_pass
 from jetroll.shared.tasks.agent import EnvAgent, InlineAgents
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.calculator import CalculatorTask
@@ -128,7 +128,7 @@ def test_a_tool_using_agent_on_the_openai_client_gets_the_ids_the_engine_sampled
 
 
 def test_the_exact_backends_mu_through_the_gateway_is_bitwise_the_trainers(tmp_path: Path) -> None:
-    precision = Precision(mode="fp8_unified", backend="exact")
+    precision = Numerics(mode="fp8_unified", backend="exact")
     save_pretrained(tiny_model(), TOKENIZER, tmp_path, publish=precision)
     rollout_model, _ = load_pretrained(tmp_path, precision)
     trainer_model, _ = load_pretrained(tmp_path, precision.trainer_side())

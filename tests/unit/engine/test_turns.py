@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.engine.turns import EnvCounts, TurnRunner, run_episodes
@@ -21,7 +20,8 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import Tokenizer, build_char_tokenizer, load_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
+from jetroll.shared.rl.passes import proximal_pass
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import EnvStep
 
@@ -191,7 +191,7 @@ def test_a_bpe_conversation_keeps_the_ids_it_sampled_and_is_never_retokenized() 
 
 
 def test_exact_backend_logprobs_after_an_observation_are_bitwise_the_trainers(tmp_path: Path) -> None:
-    precision = Precision(mode="fp8_unified", backend="exact")
+    precision = Numerics(mode="fp8_unified", backend="exact")
     save_pretrained(tiny_model(), TOKENIZER, tmp_path, publish=precision)
     rollout_model, _ = load_pretrained(tmp_path, precision)
     trainer_model, _ = load_pretrained(tmp_path, precision.trainer_side())

@@ -13,15 +13,15 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-from jetroll.services.trainer.passes import proximal_pass
 from jetroll.shared.model.checkpoint import load_pretrained
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
+from jetroll.shared.rl.passes import proximal_pass
 
 
 def main(job_path: str) -> None:
     job = json.loads(open(job_path).read())
     torch.set_num_threads(job["threads"])
-    precision = Precision(**job["precision"]).trainer_side()
+    precision = Numerics(**job["precision"]).trainer_side()
     sequences = load_file(job["sequences"])
     ids, lengths = sequences["ids"], sequences["lengths"].tolist()
     order = list(reversed(range(len(lengths))))  # another batch composition than rollout's

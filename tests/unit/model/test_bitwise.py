@@ -20,7 +20,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 TOKENIZER = build_char_tokenizer()
 SCORER = Path(__file__).with_name("bitwise_scorer.py")
@@ -44,13 +44,13 @@ def tiny_model(seed: int) -> CausalLM:
     return model
 
 
-def publish(model: CausalLM, precision: Precision, directory: Path) -> Path:
+def publish(model: CausalLM, precision: Numerics, directory: Path) -> Path:
     save_pretrained(model, TOKENIZER, directory, publish=precision)
     return directory
 
 
 def score_in_subprocess(tmp_path: Path, requests: list[Request], checkpoints: dict[int, Path],
-                        precision: Precision, temperature: float) -> dict[str, torch.Tensor]:
+                        precision: Numerics, temperature: float) -> dict[str, torch.Tensor]:
     lengths = [r.num_tokens for r in requests]
     ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
     for i, request in enumerate(requests):
@@ -85,7 +85,7 @@ def assert_bitwise(requests: list[Request], scored: dict[str, torch.Tensor]) -> 
 def test_rollout_logprobs_equal_trainer_bitwise_for_batch_sizes_1_to_64(
     tmp_path: Path, mode: str, temperature: float
 ) -> None:
-    precision = Precision(mode=mode, backend="exact")
+    precision = Numerics(mode=mode, backend="exact")
     checkpoint = publish(tiny_model(seed=0), precision, tmp_path / "v0")
     model, _ = load_pretrained(checkpoint, precision)
     engine = Engine(model, TOKENIZER.eos_id, max_batch=64, max_len=256, seed=1, compile=True)
@@ -109,7 +109,7 @@ def test_rollout_logprobs_equal_trainer_bitwise_for_batch_sizes_1_to_64(
 
 @pytest.mark.slow  # about a minute: 2 x 2048 exact decode steps, then two 2048-token trainer passes
 def test_bitwise_at_length_2048_across_a_weight_swap(tmp_path: Path) -> None:
-    precision = Precision(mode="fp8_unified", backend="exact")
+    precision = Numerics(mode="fp8_unified", backend="exact")
     old, new = tiny_model(seed=0), tiny_model(seed=0)
     with torch.no_grad():
         for param in new.parameters():

@@ -15,7 +15,7 @@ from jetroll.shared.model.checkpoint import load_pretrained, save_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import PrecisionLinear
 from jetroll.shared.model.tokenizer import build_char_tokenizer
-from jetroll.shared.numerics import BLOCK_LINEARS, Precision
+from jetroll.shared.numerics import BLOCK_LINEARS, Numerics
 
 TOKENIZER = build_char_tokenizer()
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -31,12 +31,12 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def tiny_model(precision: Precision | None = None) -> CausalLM:
+def tiny_model(precision: Numerics | None = None) -> CausalLM:
     """Dims that are not multiples of 128 (192, 320, 64), an untied lm_head and q/k/v biases."""
     args = ModelArgs(vocab_size=TOKENIZER.vocab_size, hidden_size=192, num_layers=2, num_heads=3, num_kv_heads=1,
                      intermediate_size=320, max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(0)
-    return CausalLM(args, precision or Precision(mode="fp8_unified"))
+    return CausalLM(args, precision or Numerics(mode="fp8_unified"))
 
 
 def linear_names(model: CausalLM) -> list[str]:
@@ -50,7 +50,7 @@ def linear_bytes(header: dict[str, Any], names: list[str]) -> int:
 
 def test_fp8_publication_names_dtypes_and_scale_shapes(tmp_path: Path) -> None:
     model = tiny_model()
-    save_pretrained(model, TOKENIZER, tmp_path, publish=Precision(mode="fp8_unified"))
+    save_pretrained(model, TOKENIZER, tmp_path, publish=Numerics(mode="fp8_unified"))
     header = safetensors_header(tmp_path / "model.safetensors")
     names = linear_names(model)
     assert len(names) == 2 * len(BLOCK_LINEARS)
@@ -72,8 +72,8 @@ def test_fp8_publication_names_dtypes_and_scale_shapes(tmp_path: Path) -> None:
 
 def test_fp8_payload_is_at_most_055_of_bf16(tmp_path: Path) -> None:
     model = tiny_model()
-    save_pretrained(model, TOKENIZER, tmp_path / "fp8", publish=Precision(mode="fp8_unified"))
-    save_pretrained(model, TOKENIZER, tmp_path / "bf16", publish=Precision(mode="bf16"))
+    save_pretrained(model, TOKENIZER, tmp_path / "fp8", publish=Numerics(mode="fp8_unified"))
+    save_pretrained(model, TOKENIZER, tmp_path / "bf16", publish=Numerics(mode="bf16"))
     fp8, bf16 = (safetensors_header(tmp_path / d / "model.safetensors") for d in ("fp8", "bf16"))
     assert all(bf16[f"{n}.weight"]["dtype"] == "BF16" for n in linear_names(model))
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
@@ -83,7 +83,7 @@ def test_fp8_payload_is_at_most_055_of_bf16(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("scale_rounding", ["none", "pow2"])
 def test_published_fp8_loads_back_with_identical_tensors(tmp_path: Path, scale_rounding: str) -> None:
-    precision = Precision(mode="fp8_unified", scale_rounding=scale_rounding)
+    precision = Numerics(mode="fp8_unified", scale_rounding=scale_rounding)
     model = tiny_model(precision)
     save_pretrained(model, TOKENIZER, tmp_path, publish=precision)
     loaded, _ = load_pretrained(tmp_path, precision)
@@ -104,7 +104,7 @@ def test_published_fp8_loads_back_with_identical_tensors(tmp_path: Path, scale_r
 
 
 def test_high_precision_linears_publish_as_bf16_and_are_listed(tmp_path: Path) -> None:
-    precision = Precision(mode="fp8_unified", high_precision=["gate_proj", "up_proj"])
+    precision = Numerics(mode="fp8_unified", high_precision=["gate_proj", "up_proj"])
     model = tiny_model(precision)
     save_pretrained(model, TOKENIZER, tmp_path, publish=precision)
     header = safetensors_header(tmp_path / "model.safetensors")
@@ -119,6 +119,6 @@ def test_high_precision_linears_publish_as_bf16_and_are_listed(tmp_path: Path) -
 
 def test_a_scale_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
     model = tiny_model()
-    save_pretrained(model, TOKENIZER, tmp_path, publish=Precision(mode="fp8_unified"))
+    save_pretrained(model, TOKENIZER, tmp_path, publish=Numerics(mode="fp8_unified"))
     with pytest.raises(ValueError, match="blocks"):
-        load_pretrained(tmp_path, Precision(mode="fp8_unified", weight_block=64, act_group=64))
+        load_pretrained(tmp_path, Numerics(mode="fp8_unified", weight_block=64, act_group=64))

@@ -13,14 +13,14 @@ from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 from jetroll.shared.warm_start import IGNORE_INDEX, sft_batch, sft_lr
 
 STEPS, BATCH, LR = 200, 32, 3e-3
 TINY = ModelConfig(num_layers=1, intermediate_size=256)
 
 
-def train(precision: Precision) -> tuple[float, float]:
+def train(precision: Numerics) -> tuple[float, float]:
     """Held-out next-token loss on arithmetic answers before and after STEPS of SFT (same init, same data)."""
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
@@ -49,13 +49,13 @@ def train(precision: Precision) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def fp32_loss() -> tuple[float, float]:
-    return train(Precision(mode="fp32"))
+    return train(Numerics(mode="fp32"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backward", ["fp8", "bf16"])
 def test_fp8_training_learns_like_fp32(backward: str, fp32_loss: tuple[float, float]) -> None:
-    before, after = train(Precision(mode="fp8_unified", backward=backward))
+    before, after = train(Numerics(mode="fp8_unified", backward=backward))
     print(f"held-out loss: fp32 {fp32_loss[0]:.3f} -> {fp32_loss[1]:.3f}; fp8 with {backward} backward "
           f"{before:.3f} -> {after:.3f}")
     assert after < 0.5 * before

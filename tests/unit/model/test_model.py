@@ -11,7 +11,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_pretrained, load_state, save_pretrained
 from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.tokenizer import build_char_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,7 +145,7 @@ def test_full_forward_is_differentiable_and_matches_inference() -> None:
 def test_precision_modes_differ_from_fp32_but_stay_close(mode: str) -> None:
     args = tiny_args(hidden_size=128, intermediate_size=256)
     reference = tiny_model(args)
-    model = CausalLM(args, Precision(mode=mode)).eval()
+    model = CausalLM(args, Numerics(mode=mode)).eval()
     load_state(model, reference.state_dict())
     ids = prompt()
     with torch.no_grad():

@@ -13,7 +13,7 @@ from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.checkpoint import load_state
 from jetroll.shared.model.model import CausalLM, KVCache
 from jetroll.shared.model.precision import FP8_MAX, SCALE_EPS, PrecisionLinear, dequantize, fake_quant, quantize
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,7 +100,7 @@ def test_pow2_scales_are_the_next_power_of_two() -> None:
 # backward
 
 
-def linear_and_grads(config: Precision, seed: int = 3) -> tuple[PrecisionLinear, torch.Tensor, torch.Tensor]:
+def linear_and_grads(config: Numerics, seed: int = 3) -> tuple[PrecisionLinear, torch.Tensor, torch.Tensor]:
     """A 200 -> 150 linear (partial blocks everywhere) on 3 x 50 tokens (2 token groups, one partial)."""
     torch.manual_seed(seed)
     linear = PrecisionLinear(200, 150, True, config, "down_proj")
@@ -112,7 +112,7 @@ def linear_and_grads(config: Precision, seed: int = 3) -> tuple[PrecisionLinear,
 
 @pytest.mark.parametrize("pow2", [False, True])
 def test_fp8_backward_matches_the_fake_quant_reference(pow2: bool) -> None:
-    config = Precision(mode="fp8_unified", backward="fp8", scale_rounding="pow2" if pow2 else "none")
+    config = Numerics(mode="fp8_unified", backward="fp8", scale_rounding="pow2" if pow2 else "none")
     linear, x, grad_out = linear_and_grads(config)
     x2, dy = x.detach().reshape(-1, 200), grad_out.reshape(-1, 150)
     w_hat = fake_quant(linear.weight.detach(), 128, 128, pow2)
@@ -128,7 +128,7 @@ def test_fp8_backward_matches_the_fake_quant_reference(pow2: bool) -> None:
 
 
 def test_bf16_backward_rounds_dy_and_the_forward_operands() -> None:
-    linear, x, grad_out = linear_and_grads(Precision(mode="fp8_unified", backward="bf16"))
+    linear, x, grad_out = linear_and_grads(Numerics(mode="fp8_unified", backward="bf16"))
     x2, dy = x.detach().reshape(-1, 200), grad_out.reshape(-1, 150)
     bf16 = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
     dy16, w_hat = bf16(dy), fake_quant(linear.weight.detach(), 128, 128)
@@ -137,7 +137,7 @@ def test_bf16_backward_rounds_dy_and_the_forward_operands() -> None:
 
 
 def test_forward_of_the_gradient_pass_uses_the_published_fp8_weight() -> None:
-    config = Precision(mode="fp8_unified")
+    config = Numerics(mode="fp8_unified")
     linear, x, _ = linear_and_grads(config)
     q, scale_inv = linear.quantized()
     x_hat = fake_quant(x.detach().reshape(-1, 200), 1, 128).view(x.shape)
@@ -156,7 +156,7 @@ def test_precision_config_modes_and_checks() -> None:
     rollout_only = PrecisionConfig(mode="fp8_rollout_only").numerics()
     assert rollout_only.trainer_side().mode == "bf16" and rollout_only.linear_format("q_proj") == "fp8"
     unified = PrecisionConfig(mode="fp8_unified", high_precision=["gate_proj", "up_proj"]).numerics()
-    assert unified.trainer_side() is unified and unified == Precision(mode="fp8_unified",
+    assert unified.trainer_side() is unified and unified == Numerics(mode="fp8_unified",
                                                                       high_precision=("gate_proj", "up_proj"))
     assert [unified.linear_format(n) for n in ("q_proj", "gate_proj", "down_proj")] == ["fp8", "bf16", "fp8"]
     ids = {PrecisionConfig(**kw).precision_id("plan") for kw in (
@@ -207,7 +207,7 @@ def exact_model(mode: str) -> CausalLM:
                      max_position_embeddings=256)
     torch.manual_seed(0)
     reference = CausalLM(args)
-    model = CausalLM(args, Precision(mode=mode, backend="exact")).eval()
+    model = CausalLM(args, Numerics(mode=mode, backend="exact")).eval()
     load_state(model, reference.state_dict())
     return model
 

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from jetroll.services.trainer.passes import gradient_rows, policy_width
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.loss import group_advantages, ppo_loss, token_entropy, token_logprobs
+from jetroll.shared.rl.passes import gradient_rows, policy_width
 
 
 def _cfg(**kw: object) -> TrainerConfig:

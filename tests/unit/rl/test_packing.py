@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetroll.services.trainer.passes import group_hidden, is_packing_cheaper, length_buckets
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 from jetroll.shared.rl.batch import TokenBatch, pack_groups, packed_length
 from jetroll.shared.rl.loss import ppo_loss, token_logprobs
+from jetroll.shared.rl.passes import group_hidden, is_packing_cheaper, length_buckets
 
 PAD = 0
 
@@ -38,7 +38,7 @@ def _model(mode: str) -> CausalLM:
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=16, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
                      intermediate_size=256, max_position_embeddings=64)
-    return CausalLM(args, Precision(mode=mode))
+    return CausalLM(args, Numerics(mode=mode))
 
 
 def test_pack_groups_shares_each_groups_common_prefix() -> None:
@@ -159,7 +159,7 @@ def test_packed_gradient_matches_the_row_layout() -> None:
 
 
 def test_exact_backend_refuses_an_attention_mask() -> None:
-    model = CausalLM(_model("fp32").args, Precision(mode="fp32", backend="exact"))
+    model = CausalLM(_model("fp32").args, Numerics(mode="fp32", backend="exact"))
     input_ids, lengths = _rows()
     packed = pack_groups(input_ids, lengths, group_size=3, pad_id=PAD)
     with torch.no_grad(), pytest.raises(ValueError, match="causal attention only"):

@@ -25,7 +25,7 @@ from jetroll.shared.model.checkpoint import torch_device
 from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
-from jetroll.shared.numerics import Precision
+from jetroll.shared.numerics import Numerics
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path and a missing CUDA device")]
@@ -44,7 +44,7 @@ def tiny_model(backend: str) -> tuple[CausalLM, int]:
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
     model = CausalLM(model_args(ModelConfig(num_layers=2, intermediate_size=256), tokenizer),
-                     Precision(backend=backend))
+                     Numerics(backend=backend))
     init_weights(model)
     return model, tokenizer.eos_id
 

@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 
-from jetroll.services.trainer import passes
-from jetroll.services.trainer.passes import head_logprobs
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.model import CausalLM
+from jetroll.shared.rl import passes
 from jetroll.shared.rl.loss import token_entropy, token_logprobs
+from jetroll.shared.rl.passes import head_logprobs
 
 
 def small_model(tied: bool) -> CausalLM:
@@ -68,10 +68,10 @@ def test_the_entropy_alone_or_the_logprob_alone_gets_its_own_gradient() -> None:
 
 
 def test_a_no_grad_pass_takes_the_models_own_logits_on_the_exact_backend() -> None:
-    from jetroll.shared.numerics import Precision
+    from jetroll.shared.numerics import Numerics
 
     model = small_model(tied=True)
-    model.precision = Precision(backend="exact")
+    model.precision = Numerics(backend="exact")
     ids, targets = torch.randint(0, 47, (2, 6)), torch.randint(0, 47, (2, 6))
     with torch.no_grad():
         hidden = model.hidden(ids)
@@ -83,7 +83,7 @@ def test_a_no_grad_pass_takes_the_models_own_logits_on_the_exact_backend() -> No
 PEAK = textwrap.dedent("""
     import json, resource, sys
     import torch
-    from jetroll.services.trainer.passes import head_logprobs
+    from jetroll.shared.rl.passes import head_logprobs
     from jetroll.shared.config.precision import PrecisionConfig
     from jetroll.shared.config.trainer import TrainerConfig
     from jetroll.shared.model.args import ModelArgs

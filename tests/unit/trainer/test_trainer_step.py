@@ -25,7 +25,6 @@ from trainer_harness import (
 )
 
 from jetroll.services.trainer.mismatch import lowest_hashes
-from jetroll.services.trainer.passes import proximal_pass
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.dead_letters import DeadLetters
@@ -34,6 +33,7 @@ from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import TRAJ_SCORED
 from jetroll.shared.rl.batch import PendingGroup, collate
+from jetroll.shared.rl.passes import proximal_pass
 from jetroll.shared.tasks.registry import get_task
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,6 @@ import torch
 from factories import NO_MISMATCH_GATES, scored
 from factories import trajectory as make_trajectory
 
-from jetroll.services.trainer.passes import proximal_pass
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.config.model import ModelConfig
@@ -19,6 +18,7 @@ from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import ScoredEvent
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup, collate
+from jetroll.shared.rl.passes import proximal_pass
 from jetroll.shared.store import setup_store
 
 TINY = ModelConfig(num_layers=1, intermediate_size=256)
