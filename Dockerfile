@@ -22,6 +22,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY shared/ shared/
 COPY services/ services/
 COPY functions/ functions/
+COPY bench/ bench/
 RUN set -eux; \
     case "${TORCH_VARIANT}" in \
       cpu) python3 -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"; \

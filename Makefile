@@ -22,7 +22,7 @@ test-fast: setup $(VENV)/.vllm  ## unit and integration tests without the slow e
 	$(BIN)/pytest -q -m "not slow"
 
 lint: setup
-	$(BIN)/ruff check shared services functions tests scripts
+	$(BIN)/ruff check shared services functions bench tests scripts
 
 bench: setup
 	$(BIN)/jetroll bench engine

@@ -2,6 +2,6 @@
 
 from setuptools import find_packages, setup
 
-FOLDERS = ("shared", "services", "functions")
+FOLDERS = ("shared", "services", "functions", "bench")
 
 setup(packages=[f"jetroll.{name}" for name in find_packages(include=[f"{folder}*" for folder in FOLDERS])])

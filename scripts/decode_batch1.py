@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from jetroll.services.bench.engine import SEED, tiny_args
+from jetroll.bench.engine import SEED, tiny_args
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
 from jetroll.shared.model.model import CausalLM

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from jetroll.services.bench.shape import CONFIG, with_layers
+from jetroll.bench.shape import CONFIG, with_layers
 from jetroll.services.launch.entrypoints import prepare_process
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import JobConfig, load_config, validate_config

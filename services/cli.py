@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.bench.cli import add_bench_parsers, run_bench
+from jetroll.bench.cli import add_bench_parsers, run_bench
 from jetroll.services.launch.entrypoints import SERVICES, prepare_process, service_main, until_sigterm, watch_main
 from jetroll.shared.config.base import comma_ints
 from jetroll.shared.config.job import load_config, validate_config

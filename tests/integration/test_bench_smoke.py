@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import JETROLL
 
-from jetroll.services.bench.precision import ARMS, DEFAULT_ARMS, GATES
+from jetroll.bench.precision import ARMS, DEFAULT_ARMS, GATES
 
 pytestmark = [pytest.mark.integration, pytest.mark.job]
 
@@ -186,7 +186,7 @@ def test_bench_chaos_json_smoke_and_resume(tmp_path: Path) -> None:
     """60 steps of a 1-layer job on a moto S3 store: every service SIGKILLed (the trainer twice), the Redis killed
     and S3 cut, each at its seeded step; the job ends with nothing trained twice and nothing lost, and a second call
     runs nothing again."""
-    from jetroll.services.bench.chaos import FAULTS
+    from jetroll.bench.chaos import FAULTS
 
     cmd = [*JETROLL, "bench", "chaos", "--json", "--seed", "3", "--max-steps", "60", "--outage-s", "3",
            "--run-dir", str(tmp_path / "bench"), "--set", f"model.cache_dir={tmp_path / 'cache'}",

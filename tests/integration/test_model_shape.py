@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jetroll.services.bench.shape import run_shape_bench
+from jetroll.bench.shape import run_shape_bench
 from jetroll.shared.model.checkpoint import read_weights
 
 pytestmark = pytest.mark.integration

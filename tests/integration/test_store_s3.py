@@ -23,7 +23,7 @@ import torch
 from job_harness import audit_ledger, launch, service_logs, stop
 from safetensors.torch import save_file
 
-from jetroll.services.bench.tcp_proxy import TcpProxy
+from jetroll.bench.tcp_proxy import TcpProxy
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.shared.config.job import load_config
 from jetroll.shared.numerics import MASTERS, QuantizationPlan

@@ -1,4 +1,4 @@
-"""The TRL arm of `jetroll bench agentic` (services/bench/trl_agentic.py): its rollout_func plays the job's episodes
+"""The TRL arm of `jetroll bench agentic` (bench/trl_agentic.py): its rollout_func plays the job's episodes
 as the job's turn protocol says, on a real HF model and the task's real environments."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 import torch
 from job_harness import REPO
 
-from jetroll.services.bench.trl_grpo import job_problems
+from jetroll.bench.trl_grpo import job_problems
 from jetroll.shared.config.job import load_config
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.integration
-trl_agentic = pytest.importorskip("jetroll.services.bench.trl_agentic", reason="the TRL arm needs the `peers` extra",
+trl_agentic = pytest.importorskip("jetroll.bench.trl_agentic", reason="the TRL arm needs the `peers` extra",
                                   exc_type=ImportError)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jetroll.services.bench.cli import BENCHES
+from jetroll.bench.cli import BENCHES
 from jetroll.services.cli import main
 
 

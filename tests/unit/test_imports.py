@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("shared", "services", "functions")
+FOLDERS = ("shared", "services", "functions", "bench")
 PROTOCOL = "jetroll.shared.protocol"
 
 

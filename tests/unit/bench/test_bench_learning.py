@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jetroll.services.bench.learning import cells, parse_seeds
+from jetroll.bench.learning import cells, parse_seeds
 from jetroll.shared.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("trl")
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from jetroll.services.bench.trl_grpo import completion_text, job_problems, trl_prompt_ids  # noqa: E402
+from jetroll.bench.trl_grpo import completion_text, job_problems, trl_prompt_ids  # noqa: E402
 from jetroll.shared.config.job import load_config  # noqa: E402
 from jetroll.shared.model.chat import PromptFormat  # noqa: E402
 from jetroll.shared.model.tokenizer import load_tokenizer  # noqa: E402
@@ -60,7 +60,7 @@ def test_completion_text_reads_both_formats() -> None:
 @pytest.mark.integration  # `jetroll init-model` as a subprocess
 def test_a_base_that_cannot_build_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """init-model's own message is the user's; the bench adds one line, not a traceback of its subprocess."""
-    from jetroll.services.bench.peers import PeerJob, build_base
+    from jetroll.bench.peers import PeerJob, build_base
     from jetroll.shared.errors import WarmStartError
 
     config = tmp_path / "job.yaml"

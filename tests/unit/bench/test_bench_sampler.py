@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from jetroll.services.bench import peers
-from jetroll.services.bench.peers import TreeSampler, cpu_window
-from jetroll.services.bench.processes import Process
+from jetroll.bench import peers
+from jetroll.bench.peers import TreeSampler, cpu_window
+from jetroll.bench.processes import Process
 
 LAUNCHER = [b"python", b"-m", b"jetroll.services.cli", b"run", b"job.yaml"]
 TRAINER = [b"python", b"-m", b"jetroll.services.cli", b"trainer", b"--config", b"c.json"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetroll.services.bench.versions import library_versions
+from jetroll.bench.versions import library_versions
 
 
 @pytest.mark.integration  # runs `redis-server --version`

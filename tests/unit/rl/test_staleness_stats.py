@@ -9,7 +9,7 @@ import torch
 from factories import sample_with_versions as trajectory
 from factories import scored
 
-from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
+from jetroll.bench.async_model import Durations, bound, expected_max_s, simulate
 from jetroll.shared.config.rollout import TimingEngineConfig
 from jetroll.shared.protocol.ids import group_id
 from jetroll.shared.rl.admission import Admission

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from jetroll.services.bench.processes import processes, stop_like_ctrl_c
-from jetroll.services.bench.resume import claim_run_dir
-from jetroll.services.bench.store import moto_server
-from jetroll.services.bench.tcp_proxy import TcpProxy
+from jetroll.bench.processes import processes, stop_like_ctrl_c
+from jetroll.bench.resume import claim_run_dir
+from jetroll.bench.store import moto_server
+from jetroll.bench.tcp_proxy import TcpProxy
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.store import setup_store

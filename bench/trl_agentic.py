@@ -1,5 +1,5 @@
 """The TRL arm of `jetroll bench agentic`: TRL's GRPOTrainer on the multi-environment job, in a process of its own:
-`python -m jetroll.services.bench.trl_agentic SPEC.json`.
+`python -m jetroll.bench.trl_agentic SPEC.json`.
 
 TRL drives a multi-turn text environment through `rollout_func`, its hook for custom rollouts, with `env_mask`
 marking the environment's tokens (the route of its OpenEnv examples). Its `environment_factory` is not this job's
@@ -39,8 +39,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
+from jetroll.bench.trl_grpo import StepClock, grpo_settings, job_problems
 from jetroll.functions.runner import get_reward
-from jetroll.services.bench.trl_grpo import StepClock, grpo_settings, job_problems
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer

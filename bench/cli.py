@@ -20,7 +20,7 @@ class Bench:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[ModuleType, argparse.Namespace], dict[str, Any]]  # (its module, the parsed args) -> result
-    module: str  # under jetroll.services.bench
+    module: str  # under jetroll.bench
 
 
 def _overrides(parser: argparse.ArgumentParser, config: str) -> None:
@@ -239,10 +239,10 @@ def add_bench_parsers(sub: Any) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run one benchmark (its module imported now), then print its JSON object or its table."""
-    from jetroll.services.bench.versions import library_versions
+    from jetroll.bench.versions import library_versions
 
     spec = BENCHES[args.bench]
-    module = importlib.import_module(f"jetroll.services.bench.{spec.module}")
+    module = importlib.import_module(f"jetroll.bench.{spec.module}")
     result = spec.run(module, args)
     result.setdefault("versions", library_versions())
     if args.json:

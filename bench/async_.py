@@ -9,7 +9,7 @@ timing`) and the trainer step (`trainer.engine: timing`). The parameters are pin
 - T + W = 3/7 E[max_N L], so rollout is 70% of an ideal sync step;
 - sync is colocated: R slots roll out, then the trainer takes T + W; its ideal is one step per E[max_N L] + T + W;
 - async gives f R slots to rollout and the trainer takes (T + W) / (1 - f); f is picked from a grid by the event
-  model (services/bench/async_model.py), which also gives a zero-overhead reference speedup.
+  model (bench/async_model.py), which also gives a zero-overhead reference speedup.
 
 Throughput counts trained trajectories per second over the steps after a warm-up. Lengths are a pure function of the
 traj_id, so every setting sees the same draws; the sync row also reports its efficiency against the draws it got (the
@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from jetroll.services.bench.async_model import Durations, bound, expected_max_s, simulate
-from jetroll.services.bench.rows import read_jsonl
+from jetroll.bench.async_model import Durations, bound, expected_max_s, simulate
+from jetroll.bench.rows import read_jsonl
 from jetroll.services.launch.local import Launcher
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.config.job import validate_config

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.bench.processes import processes
+from jetroll.bench.processes import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "bench_qwen2.5_0.5b.yaml"

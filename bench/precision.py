@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.bench.async_ import launch_job
-from jetroll.services.bench.resume import claim_run_dir
-from jetroll.services.bench.rows import read_jsonl
+from jetroll.bench.async_ import launch_job
+from jetroll.bench.resume import claim_run_dir
+from jetroll.bench.rows import read_jsonl
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.config.job import JobConfig, config_tree, load_config
 from jetroll.shared.errors import ConfigError

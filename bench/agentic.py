@@ -14,7 +14,7 @@ trajectories/s over the steps after the first `WARMUP_STEPS` (per task too), the
 environment set-up share and failures, each task's held-out success by version, and when the mean success over the
 tasks first reached the target.
 
-- trl: TRL's GRPOTrainer on the same job (services/bench/trl_agentic.py): the same base, problems, environments,
+- trl: TRL's GRPOTrainer on the same job (bench/trl_agentic.py): the same base, problems, environments,
   faults, turn protocol and reward, through its `rollout_func`; a barrier loop in one process, which generates every
   turn of a step's episodes in `model.generate` batches. It runs `trl_steps` steps (default: the job's); its
   trajectories/s count every episode it trains on (a failed one too, at reward 0: TRL cannot drop a group), its
@@ -33,11 +33,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.bench.peers import require_trl
-from jetroll.services.bench.processes import run_job
-from jetroll.services.bench.resume import claim_run_dir
-from jetroll.services.bench.rows import read_jsonl
-from jetroll.services.bench.versions import jetroll_commit, library_versions
+from jetroll.bench.peers import require_trl
+from jetroll.bench.processes import run_job
+from jetroll.bench.resume import claim_run_dir
+from jetroll.bench.rows import read_jsonl
+from jetroll.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.warm_start import ensure_base_model
@@ -129,7 +129,7 @@ def run_trl_cell(name: str, out: Path, base: Path, overrides: list[str], seed: i
     (out / "spec.json").write_text(json.dumps(spec))
     print(f"bench agentic: {name} ...", file=sys.stderr, flush=True)
     commit = jetroll_commit()
-    command = [sys.executable, "-m", "jetroll.services.bench.trl_agentic", str(out / "spec.json")]
+    command = [sys.executable, "-m", "jetroll.bench.trl_agentic", str(out / "spec.json")]
     code, wall_s = run_job(command, os.environ.copy(), out / "job.log")
     if code != 0:
         raise RuntimeError(f"bench agentic cell {name} failed (exit {code}); see {out / 'job.log'}")

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.bench.learning import KERNELS, parse_seeds
-from jetroll.services.bench.processes import descendants, processes, stop_like_ctrl_c
-from jetroll.services.bench.resume import claim_run_dir
-from jetroll.services.bench.rows import read_jsonl
-from jetroll.services.bench.versions import jetroll_commit, library_versions
+from jetroll.bench.learning import KERNELS, parse_seeds
+from jetroll.bench.processes import descendants, processes, stop_like_ctrl_c
+from jetroll.bench.resume import claim_run_dir
+from jetroll.bench.rows import read_jsonl
+from jetroll.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
 from jetroll.shared.errors import ConfigError, WarmStartError
 
@@ -151,7 +151,7 @@ def trl_thread_probe(kernel: str, kernel_dir: Path, base: Path, job: PeerJob, th
         spec = {"config": str(job.path), "overrides": job.overrides, "base_dir": str(base), "out_dir": str(out),
                 "seed": 0, "steps": probe_steps, "threads": count, "snapshot_every": probe_steps}
         (out / "spec.json").write_text(json.dumps(spec))
-        command = [sys.executable, "-m", "jetroll.services.bench.trl_grpo", str(out / "spec.json")]
+        command = [sys.executable, "-m", "jetroll.bench.trl_grpo", str(out / "spec.json")]
         run_logged(command, kernel_env(kernel, kernel_dir), out, out / "steps.jsonl")
         clock = read_jsonl(out / "steps.jsonl")
         warm = clock[max(1, probe_steps // 4)]
@@ -238,7 +238,7 @@ def run_cell(side: str, kernel: str, seed: int, out: Path, base: Path, job: Peer
         spec = {"config": str(job.path), "overrides": job.overrides, "base_dir": str(base), "out_dir": str(out),
                 "seed": seed, "steps": config.trainer.max_steps, "threads": trl_threads, "snapshot_every": eval_every}
         (out / "spec.json").write_text(json.dumps(spec))
-        command = [sys.executable, "-m", "jetroll.services.bench.trl_grpo", str(out / "spec.json")]
+        command = [sys.executable, "-m", "jetroll.bench.trl_grpo", str(out / "spec.json")]
         samples = run_logged(command, env, out, out / "steps.jsonl")
         row = read_trl(out, samples, eval_every, eval_problems, base, config, job.thresholds) | {"threads": trl_threads}
     row |= {"side": side, "kernel": kernel, "seed": seed, "commit": commit}

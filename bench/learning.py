@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jetroll.services.bench.processes import run_job
-from jetroll.services.bench.resume import claim_run_dir
-from jetroll.services.bench.rows import read_jsonl
-from jetroll.services.bench.versions import jetroll_commit, library_versions
+from jetroll.bench.processes import run_job
+from jetroll.bench.resume import claim_run_dir
+from jetroll.bench.rows import read_jsonl
+from jetroll.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
 

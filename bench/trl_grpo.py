@@ -1,5 +1,5 @@
 """The TRL side of `jetroll bench peers`: TRL's GRPOTrainer on a jetroll job's base model, problems and reward, in a
-process of its own: `python -m jetroll.services.bench.trl_grpo SPEC.json`.
+process of its own: `python -m jetroll.bench.trl_grpo SPEC.json`.
 
 Everything the algorithm shares with the job is read from the job's config, so the two sides differ only in how they
 run it:
