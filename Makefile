@@ -18,8 +18,8 @@ demo: setup  ## README command 1: the default arithmetic RL job, end to end
 test: setup $(VENV)/.vllm  ## README command 2: the whole suite, slow end-to-end tests included
 	$(BIN)/pytest -q
 
-test-fast: setup $(VENV)/.vllm  ## unit and integration tests without the slow end-to-end runs
-	$(BIN)/pytest -q -m "not slow"
+test-fast: setup $(VENV)/.vllm  ## the fast tier: no job, bench or eval subprocess (tests/tiers.py), on both cores
+	$(BIN)/pytest -q -m "not slow and not job" -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check shared services functions bench tests scripts
