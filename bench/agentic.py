@@ -42,7 +42,7 @@ from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.warm_start import ensure_base_model
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "agentic.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "agentic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/agentic")
 ARMS = ("pipeline", "barrier", "trl")
 WARMUP_STEPS = 5  # start-up and the first versions' compiles are not the pipeline's rate

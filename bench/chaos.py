@@ -39,7 +39,7 @@ from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.store import setup_store
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "arithmetic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/chaos")
 FAULTS = ("trainer", "trainer", "rollout", "reward", "controller", "redis", "s3")
 BUCKET = "jetroll-chaos"

@@ -27,7 +27,7 @@ from jetroll.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "arithmetic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/learning")
 KERNELS: dict[str, dict[str, str]] = {
     "native": {},

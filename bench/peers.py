@@ -36,7 +36,7 @@ from jetroll.bench.versions import jetroll_commit, library_versions
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
 from jetroll.shared.errors import ConfigError, WarmStartError
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arithmetic.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "arithmetic.yaml"
 DEFAULT_RUN_DIR = Path("~/.cache/jetroll/bench/peers")
 SIDES = ("jetroll", "trl")
 # issue 40's bars on the default job: jetroll's time per step and time to 80% as a fraction of TRL's, the stale wait's

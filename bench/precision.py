@@ -44,7 +44,7 @@ ARMS: dict[str, dict[str, str]] = {
 }
 DEFAULT_ARMS = ("bf16", "fp8_unified", "fp8_unified_exact", "fp8_rollout_only", "misaligned")
 GATES = ("k3", "abs_mean", "growth")
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "precision_bench.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "precision_bench.yaml"
 CURVE_WINDOW = 10  # steps in the moving average of a reward curve
 
 

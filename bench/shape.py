@@ -21,7 +21,7 @@ from typing import Any
 
 from jetroll.bench.processes import processes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "bench_qwen2.5_0.5b.yaml"
 MODEL = ROOT / "configs" / "models" / "qwen2.5-0.5b-shape"
 GIB = 1024**3

@@ -37,7 +37,7 @@ from jetroll.shared.store.files import CHUNK_BYTES
 from jetroll.shared.store.local import LocalWeightStore
 from jetroll.shared.store.s3 import S3WeightStore
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "arithmetic.yaml"
 BUCKET = "jetroll-bench"
 MAX_RATIO = 1.5

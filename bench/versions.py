@@ -63,7 +63,7 @@ def cpu_isa() -> list[str]:
 
 def jetroll_commit() -> str | None:
     """The git commit of the jetroll checkout running, with `+dirty` for uncommitted changes; None outside git."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
