@@ -6,6 +6,7 @@ that must join the step under eta_hard."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -106,8 +107,8 @@ class Intake:
 
     async def read(self) -> None:
         """One read of the scored stream into the buffer; a copy of a traj_id already held or recorded is acked."""
-        held = [*self.buffer.groups.values(), *self.training.values()]
-        await self.claims.keep(i for g in held for i in g.entry_ids)
+        held = itertools.chain(self.buffer.groups.values(), self.training.values())
+        await self.claims.keep(i for g in held for i in g.entry_ids)  # read only when the claims are due
         if self.has_taken_over:
             deliveries = await self.bus.consume(STREAM, GROUP, self.consumer, count=256, block_ms=500,
                                                 check=self.is_scored)
