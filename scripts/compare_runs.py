@@ -1,5 +1,5 @@
 """Compare two scripts/behaviour_check.sh outputs: every non-timing metric step by step, the evals, the final weights
-and the base model. Exit 0 only when all are identical."""
+and the base models, for each job both ran. Exit 0 only when all are identical and both ran the same jobs."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def final_weights(run: Path) -> str:
 
 
 def main(a: Path, b: Path) -> int:
-    same = True
-    for job in ("smoke", "default"):
+    jobs = [job for job in ("smoke", "default", "agent", "gym") if (a / job / "metrics.jsonl").is_file()]
+    same = jobs == [job for job in ("smoke", "default", "agent", "gym") if (b / job / "metrics.jsonl").is_file()]
+    for job in jobs:
         rows_a, rows_b = metrics(a / job), metrics(b / job)
         first = next((i for i, (x, y) in enumerate(zip(rows_a, rows_b, strict=False)) if x != y), None)
         evals = (a / job / "eval.jsonl").read_text() == (b / job / "eval.jsonl").read_text()

@@ -11,7 +11,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -30,8 +31,9 @@ REPO = Path(__file__).parents[2]
 FAST = SandboxLimits(cpu_s=1, wall_s=2.0)
 
 
-def _live_sandbox_pids() -> list[int]:
-    """Processes of any sandbox uid that are not zombies (a zombie is dead; init reaps it)."""
+def _live_sandbox_pids(uids: Collection[int] | None = None, parent: int | None = None) -> list[int]:
+    """Processes of a sandbox uid (of `uids`, or any) that are not zombies (a zombie is dead; init reaps it), and
+    with `parent`, only its children. Other pytest workers run sandboxes too, so a test looks at its own."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -41,7 +43,9 @@ def _live_sandbox_pids() -> list[int]:
         except OSError:  # exited while we looked
             continue
         uid = int(status["Uid"].split()[0])
-        if sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._NUM_UIDS and status["State"].split()[0] != "Z":
+        if not sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._NUM_UIDS or status["State"].split()[0] == "Z":
+            continue
+        if (uids is None or uid in uids) and (parent is None or int(status["PPid"]) == parent):
             pids.append(int(entry.name))
     return pids
 
@@ -56,13 +60,23 @@ def _wait_for(condition: Callable[[], object], timeout_s: float = 5.0) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def host_stays_healthy() -> Iterator[None]:
-    """After every test: the host can fork, and no sandboxed process or scratch directory is left."""
-    yield
+def leased_uids(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
+    """The sandbox uids the test leases in this process. After every test: the host can fork, and no process or
+    scratch directory of those uids is left."""
+    leased: set[int] = set()
+    lease_uid = sandbox._lease_uid
+
+    @contextmanager
+    def recorded_lease() -> Iterator[int]:
+        with lease_uid() as uid:
+            leased.add(uid)
+            yield uid
+
+    monkeypatch.setattr(sandbox, "_lease_uid", recorded_lease)
+    yield leased
     assert subprocess.run(["true"]).returncode == 0
-    assert _wait_for(lambda: not _live_sandbox_pids()), f"stray sandbox processes: {_live_sandbox_pids()}"
-    if sandbox._ROOT.exists():
-        assert [p for p in sandbox._ROOT.iterdir() if p.is_dir()] == []
+    assert _wait_for(lambda: not _live_sandbox_pids(leased)), f"stray sandbox processes: {_live_sandbox_pids(leased)}"
+    assert [uid for uid in leased if (sandbox._ROOT / str(uid)).exists()] == []
 
 
 def test_runs_code_with_stdin() -> None:
@@ -84,7 +98,7 @@ def test_sleeping_forever_hits_the_wall_clock() -> None:
 
 
 @requires_root
-def test_fork_bomb_is_contained_and_fully_killed() -> None:
+def test_fork_bomb_is_contained_and_fully_killed(leased_uids: set[int]) -> None:
     # Children leave the process group with setsid, so killing the group alone would miss them.
     bomb = """
 import os, time
@@ -98,7 +112,7 @@ while True:
     start = time.monotonic()
     result = run_python(bomb, limits=SandboxLimits(cpu_s=1, wall_s=1.0, num_procs=8))
     assert result.timed_out and time.monotonic() - start < 5
-    assert _wait_for(lambda: not _live_sandbox_pids(), timeout_s=2.0), _live_sandbox_pids()
+    assert leased_uids and _wait_for(lambda: not _live_sandbox_pids(leased_uids), timeout_s=2.0)
     assert subprocess.run(["true"]).returncode == 0
     # The limit binds: a program that counts how many processes it can hold gets num_procs - 1 children.
     counter = """
@@ -211,17 +225,17 @@ def test_next_lease_cleans_up_after_a_dead_host(monkeypatch: pytest.MonkeyPatch)
     host_code = "from jetroll.functions.sandbox import run_python; run_python('import time\\ntime.sleep(600)')"
     host = subprocess.Popen([sys.executable, "-c", host_code], cwd=REPO)
     try:
-        assert _wait_for(_live_sandbox_pids), "the sandboxed process never started"
+        assert _wait_for(lambda: _live_sandbox_pids(parent=host.pid)), "the sandboxed process never started"
+        (orphan,) = _live_sandbox_pids(parent=host.pid)
         host.kill()
     finally:
         host.wait()
-    (orphan,) = _live_sandbox_pids()
     uid = Path(f"/proc/{orphan}").stat().st_uid
     assert (sandbox._ROOT / str(uid)).is_dir()
     monkeypatch.setattr(sandbox.random, "randrange", lambda n: uid - sandbox._UID_BASE)
     with sandbox._lease_uid() as leased:
         assert leased == uid and not (sandbox._ROOT / str(uid)).exists()
-        assert _wait_for(lambda: not _live_sandbox_pids(), timeout_s=2.0)
+        assert _wait_for(lambda: not _live_sandbox_pids({uid}), timeout_s=2.0)
 
 
 ADD_STDIO = {"stdio": [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "-5 5", "stdout": "0"}]}
