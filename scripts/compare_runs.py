@@ -10,7 +10,8 @@ from pathlib import Path
 
 TIMING = {"time_s", "step_time_s", "trainer_wait_s", "trainer_idle_frac", "stale_wait_s", "rollout_busy_slot_s",
           "rollout_slot_s", "rollout_idle_frac", "rollout_tokens_per_s", "pool/default/tokens_per_s",
-          "pool/default/num_trajectories", "stage_s", "commit_wait_s"}
+          "pool/default/num_trajectories", "stage_s", "commit_wait_s", "mismatch_sample_s", "mismatch_wait_s",
+          "pool/default/env_setup_share/ok"}
 
 
 def metrics(run: Path) -> list[dict]:
