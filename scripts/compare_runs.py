@@ -24,9 +24,14 @@ def final_weights(run: Path) -> str:
     return hashlib.sha256((max(versions, key=lambda p: p.name) / "model.safetensors").read_bytes()).hexdigest()
 
 
+def jobs_run(out: Path) -> list[str]:
+    """The scripts/behaviour_check.sh jobs that ran into `out` (an older script ran only the first two)."""
+    return [job for job in ("smoke", "default", "agent", "gym") if (out / job / "metrics.jsonl").is_file()]
+
+
 def main(a: Path, b: Path) -> int:
-    jobs = [job for job in ("smoke", "default", "agent", "gym") if (a / job / "metrics.jsonl").is_file()]
-    same = jobs == [job for job in ("smoke", "default", "agent", "gym") if (b / job / "metrics.jsonl").is_file()]
+    jobs = jobs_run(a)
+    same = jobs == jobs_run(b)
     for job in jobs:
         rows_a, rows_b = metrics(a / job), metrics(b / job)
         first = next((i for i, (x, y) in enumerate(zip(rows_a, rows_b, strict=False)) if x != y), None)
