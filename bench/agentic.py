@@ -38,6 +38,7 @@ from jetroll.bench.processes import run_job
 from jetroll.bench.resume import claim_run_dir
 from jetroll.bench.rows import read_jsonl
 from jetroll.bench.versions import jetroll_commit, library_versions
+from jetroll.functions.scoring import job_tasks
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.warm_start import ensure_base_model
@@ -74,7 +75,7 @@ def run_agentic_bench(seeds: int = 1, run_dir: Path | None = None, overrides: li
         raise ConfigError("bench agentic: no task of the job has env_faults, so flaky on and off are the same job")
     claim_run_dir(run_dir, {"config": CONFIG.read_text(), "overrides": extra}, "agentic")
     print("bench agentic: the base ...", file=sys.stderr, flush=True)
-    base = ensure_base_model(config.model)
+    base = ensure_base_model(config.model, job_tasks(config))
     warm = json.loads((base / "warmstart.json").read_text())
     rows = []
     for seed in range(seeds):
@@ -143,7 +144,6 @@ def run_trl_cell(name: str, out: Path, base: Path, overrides: list[str], seed: i
 def read_trl_cell(out: Path, config: JobConfig) -> dict[str, Any]:
     """The TRL arm's row, in the fields of a jetroll cell's (`read_cell`)."""
     from jetroll.shared.engine.evaluate import score_model_dir
-    from jetroll.shared.tasks.registry import get_task
 
     clock = {row["step"]: row["wall_s"] for row in read_jsonl(out / "steps.jsonl")}
     rollouts = read_jsonl(out / "rollouts.jsonl")  # one per batch, in order: batch i ends at step i
@@ -164,12 +164,13 @@ def read_trl_cell(out: Path, config: JobConfig) -> dict[str, Any]:
     pool = {f"env_episodes/{how}": float(n) for how, n in episodes.items()}
     pool |= {f"env_failed_calls/{status}": float(n) for status, n in failed_calls.items()}
     pool |= {f"env_setup_share/{how}": setup_share_sum[how] / n for how, n in episodes.items()}
-    problems = {t: get_task(t).heldout(config.eval.num_problems) for t in tasks}
+    task_set = job_tasks(config)
+    problems = {t: task_set[t].heldout(config.eval.num_problems) for t in tasks}
     evals = []
     for directory in sorted((out / "snapshots").iterdir(), key=lambda d: int(d.name.split("-")[1])):
         step = int(directory.name.split("-")[1])
         evals.append({"version": step, "time_s": clock[step] - clock[0],
-                      **score_model_dir(directory, config, problems)})
+                      **score_model_dir(directory, config, task_set, problems)})
     first, last = evals[0], evals[-1]
     return {
         "steps": steps,

@@ -39,6 +39,7 @@ from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.config.rollout import TimingEngineConfig
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.ledger import Ledger, Outcome
+from jetroll.shared.tasks.registry import TaskSet
 from jetroll.shared.warm_start import ensure_base_model
 
 log = logging.getLogger("jetroll.bench.async")
@@ -244,7 +245,7 @@ def run_cv(scale: Scale, cv: float, is_stress: bool, etas: tuple[int, ...], seed
 def run_async_bench(quick: bool = False, seed: int = 0, run_dir: Path | None = None) -> dict[str, Any]:
     scale = QUICK if quick else FULL
     started = time.perf_counter()
-    model_path = str(ensure_base_model(BENCH_MODEL, progress=False))
+    model_path = str(ensure_base_model(BENCH_MODEL, TaskSet(), progress=False))
     rows: list[dict[str, Any]] = []
     with RedisServer() as server, tempfile.TemporaryDirectory(prefix="jetroll-bench-async-") as tmp:
         root = run_dir or Path(tmp)

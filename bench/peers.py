@@ -33,6 +33,7 @@ from jetroll.bench.processes import descendants, processes, stop_like_ctrl_c
 from jetroll.bench.resume import claim_run_dir
 from jetroll.bench.rows import read_jsonl
 from jetroll.bench.versions import jetroll_commit, library_versions
+from jetroll.functions.scoring import job_tasks
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
 from jetroll.shared.errors import ConfigError, WarmStartError
 
@@ -134,7 +135,8 @@ def build_base(kernel: str, kernel_dir: Path, job: PeerJob) -> Path:
     code = subprocess.run(command, env=kernel_env(kernel, kernel_dir), stdout=subprocess.DEVNULL).returncode
     if code != 0:  # init-model printed why
         raise WarmStartError(f"bench peers: {kernel}: building the base failed (init-model exited {code})")
-    return ensure_base_model(job.load(f"model.cache_dir={cache}").model, progress=False)
+    config = job.load(f"model.cache_dir={cache}")
+    return ensure_base_model(config.model, job_tasks(config), progress=False)
 
 
 def trl_thread_probe(kernel: str, kernel_dir: Path, base: Path, job: PeerJob, threads: list[int],
@@ -250,11 +252,10 @@ def run_cell(side: str, kernel: str, seed: int, out: Path, base: Path, job: Peer
 def evaluation(config: JobConfig, directories: dict[int, Path], eval_problems: int) -> list[list[float]]:
     """[[step, accuracy], ...] of each step's HF directory on the first task's held-out problems."""
     from jetroll.shared.engine.evaluate import score_model_dir
-    from jetroll.shared.tasks.registry import get_task
 
-    name = config.tasks[0].name
-    problems = {name: get_task(name).heldout(eval_problems)}
-    return [[step, score_model_dir(directory, config, problems)[name]] for step, directory in
+    name, tasks = config.tasks[0].name, job_tasks(config)
+    problems = {name: tasks[name].heldout(eval_problems)}
+    return [[step, score_model_dir(directory, config, tasks, problems)[name]] for step, directory in
             sorted(directories.items())]
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from jetroll.bench.async_ import launch_job
 from jetroll.bench.resume import claim_run_dir
 from jetroll.bench.rows import read_jsonl
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.launch.redis_server import RedisServer
 from jetroll.shared.config.job import JobConfig, config_tree, load_config
 from jetroll.shared.errors import ConfigError
@@ -57,7 +58,7 @@ def run_precision_bench(num_seeds: int, run_dir: Path, max_steps: int | None = N
     base = load_config(CONFIG, [*overrides, *([f"trainer.max_steps={max_steps}"] if max_steps else [])])
     # each run gets its own job_id
     claim_run_dir(run_dir, base.model_dump(mode="json", exclude={"job_id"}), "precision")
-    model_path = str(Path(ensure_base_model(base.model)).resolve())
+    model_path = str(Path(ensure_base_model(base.model, job_tasks(base))).resolve())
     runs = []
     server = None
     try:

@@ -40,14 +40,14 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
 from jetroll.bench.trl_grpo import StepClock, grpo_settings, job_problems
-from jetroll.functions.runner import get_reward
+from jetroll.functions.scoring import job_tasks
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import Tokenizer, load_tokenizer
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import Environment, EnvOutcome, EnvStep, FlakyEnv, call_env, is_multi_turn
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 
 @dataclass
@@ -69,9 +69,9 @@ class Episode:
 class AgenticRollout:
     """TRL's `rollout_func` for the job's tasks: prompt text -> (task, problem), episodes turn by turn."""
 
-    def __init__(self, config: JobConfig, tokenizer: Tokenizer, drawn: list[tuple[str, Problem]],
+    def __init__(self, config: JobConfig, tasks: TaskSet, tokenizer: Tokenizer, drawn: list[tuple[str, Problem]],
                  prompt_format: PromptFormat, log_path: Path) -> None:
-        self.config, self.tokenizer, self.prompt_format = config, tokenizer, prompt_format
+        self.config, self.tasks, self.tokenizer, self.prompt_format = config, tasks, tokenizer, prompt_format
         # TRL hands over prompt text only; the job's draws, in order, give each its problem (a prompt can repeat:
         # chain_sum's index into its dataset is in the answer, not the prompt)
         self.draws: dict[str, deque[tuple[str, Problem]]] = {}
@@ -99,7 +99,7 @@ class AgenticRollout:
                 "task": [e.task for e in episodes], "env_status": [e.status for e in episodes]}
 
     def _episode(self, task_name: str, problem: Problem) -> Episode:
-        task = get_task(task_name)
+        task = self.tasks[task_name]
         prompt_ids = self.prompt_format.ids(problem)
         budget = min(self.config.rollout.sample_budget(task.max_new_tokens),
                      self.config.rollout.max_seq_len - len(prompt_ids))
@@ -216,9 +216,10 @@ def run(spec: dict[str, Any]) -> None:
     prompt_format = PromptFormat.of(config.model, tokenizer)
     if prompt_format.template is not None:
         raise SystemExit("bench agentic: the TRL arm runs plain-text prompts (model.chat_template: false)")
-    drawn = job_problems(config, steps * config.trainer.groups_per_step)
-    rollout = AgenticRollout(config, tokenizer, drawn, prompt_format, out / "rollouts.jsonl")
-    rewards = {name: get_reward(get_task(name).reward) for name in {task for task, _ in drawn}}
+    tasks = job_tasks(config)
+    drawn = job_problems(config, tasks, steps * config.trainer.groups_per_step)
+    rollout = AgenticRollout(config, tasks, tokenizer, drawn, prompt_format, out / "rollouts.jsonl")
+    rewards = {name: tasks.reward_fn(tasks[name]) for name in {task for task, _ in drawn}}
 
     def reward(prompts: list[Any], completions: list[Any], transcript: list[str], task: list[str],
                env_status: list[str], answer: list[str], **_: Any) -> list[float]:
@@ -229,7 +230,7 @@ def run(spec: dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=config.trainer.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: trainer_lr(config.trainer, step) / config.trainer.lr)
-    budget = max(min(config.rollout.sample_budget(get_task(t.name).max_new_tokens), config.rollout.max_seq_len)
+    budget = max(min(config.rollout.sample_budget(tasks[t.name].max_new_tokens), config.rollout.max_seq_len)
                  for t in config.tasks)
     settings = grpo_settings(config, steps, spec["seed"], out / "trl", budget)
     clock = StepClock(out, base, snapshot_every, config.trainer.updates_per_batch)

@@ -35,25 +35,25 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from jetroll.functions.runner import get_reward
+from jetroll.functions.scoring import job_tasks
 from jetroll.shared.config.job import JobConfig, load_config
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.rl.admission import Admission, admission_window
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.tasks.base import Problem
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def job_problems(config: JobConfig, num_groups: int) -> list[tuple[str, Problem]]:
+def job_problems(config: JobConfig, tasks: TaskSet, num_groups: int) -> list[tuple[str, Problem]]:
     """The task names and problems of the job's groups 1 .. num_groups, drawn as its controller draws them."""
     admission = Admission(config.trainer.groups_per_step, admission_window(config), config.trainer.max_steps,
                           task_weights={t.name: t.weight for t in config.tasks})
     drawn = []
     for index in range(1, num_groups + 1):
-        draw = admission.draw(config.seed, index, {})
+        draw = admission.draw(tasks, config.seed, index, {})
         assert draw is not None, "no per-task caps here, so every draw names a task"
         task, problem = draw
         drawn.append((task.name, problem))
@@ -106,15 +106,17 @@ def run(spec: dict[str, Any]) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(base / "tokenizer.json"), eos_token=names["eos_token"],
                                         pad_token=names["pad_token"], chat_template=names.get("chat_template"))
     prompt_format = PromptFormat.of(config.model, load_tokenizer(base))
-    drawn = job_problems(config, steps * config.trainer.groups_per_step)
+    tasks = job_tasks(config)
+    drawn = job_problems(config, tasks, steps * config.trainer.groups_per_step)
     # TRL takes a conversational prompt as messages, which it renders with the template itself
     rows = [{"prompt": problem.prompt if prompt_format.template is None else prompt_format.messages(problem),
              "answer": problem.answer, "task": task} for task, problem in drawn]
     for row, (_, problem) in zip(rows[:1000], drawn, strict=False):  # TRL's prompt ids must be jetroll's
         if trl_prompt_ids(tokenizer, row["prompt"]) != prompt_format.ids(problem):
             raise SystemExit(f"bench peers: TRL makes other prompt ids than jetroll's for {row['prompt']!r}")
-    reward_fn = get_reward(get_task(config.tasks[0].name).reward)
-    budget = config.rollout.sample_budget(get_task(config.tasks[0].name).max_new_tokens)
+    first = tasks[config.tasks[0].name]
+    reward_fn = tasks.reward_fn(first)
+    budget = config.rollout.sample_budget(first.max_new_tokens)
 
     def reward(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float]:
         return [reward_fn(completion_text(c), a).reward for c, a in zip(completions, answer, strict=True)]

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from jetroll.bench.shape import CONFIG, with_layers
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.launch.entrypoints import prepare_process
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import JobConfig, load_config, validate_config
@@ -111,7 +112,8 @@ def main(service: str, layers: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="jetroll-service-memory-"))
     config = load_config(CONFIG, [f"model.path={with_layers(work / 'model', layers)}",
                                   f"model.cache_dir={work / 'cache'}"])
-    path = ensure_base_model(config.model, progress=False)  # in a child's memory would be fairer; it is small
+    tasks = job_tasks(config)
+    path = ensure_base_model(config.model, tasks, progress=False)  # in a child's memory would be fairer; it is small
     prepare_process(service, config)  # as `jetroll trainer` and `jetroll rollout` do
     rss = Rss()
     if service == "rollout":
@@ -123,7 +125,7 @@ def main(service: str, layers: int) -> None:
     tree["store"]["root"] = str(work / "store")
     tree["job_id"] = f"m{uuid.uuid4().hex[:6]}"
     config = validate_config(tree)
-    trainer = Trainer(config, RedisBus("redis://127.0.0.1:1/0", config.job_id),
+    trainer = Trainer(config, tasks, RedisBus("redis://127.0.0.1:1/0", config.job_id),
                       setup_store(config.store, config.job_id, work / "run"), "trainer")
     rss.phase("trainer: policy, reference")
     events = scored_events(trainer, config.job_id)

@@ -155,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         if args.command == "init-model":
+            from jetroll.functions.scoring import job_tasks
             from jetroll.shared.warm_start import main as init_main
 
-            init_main(load_config(args.config, args.overrides).model, force=args.force)
+            config = load_config(args.config, args.overrides)
+            init_main(config.model, job_tasks(config), force=args.force)
             return 0
         if args.command == "bench":
             return run_bench(args)
@@ -261,10 +263,11 @@ def _config_reference(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from jetroll.functions.runner import REWARDS
     from jetroll.shared.engine.evaluate import score_run
 
     versions = None if args.versions is None else list(comma_ints(args.versions, "--versions"))
-    rows = asyncio.run(score_run(args.run_dir, versions, args.num_problems, args.split))
+    rows = asyncio.run(score_run(args.run_dir, REWARDS, versions, args.num_problems, args.split))
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "rows": rows}))
         return 0

@@ -14,6 +14,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,12 @@ from jetroll.shared.model.tokenizer import TOKENIZER_FILES, Tokenizer, build_cha
 from jetroll.shared.model.transcript import SENTINEL, Transcript
 from jetroll.shared.rl.schedule import cosine_lr
 from jetroll.shared.tasks.agent import AgentTask
-from jetroll.shared.tasks.base import Problem
+from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.dataset import DatasetTask
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.gym_text import GymTask
 from jetroll.shared.tasks.reasoning import ReasoningGymTask
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 WARMSTART_FILE = "warmstart.json"
 RANDOM_INIT_FILE = "random_init.json"
@@ -85,7 +86,7 @@ def _turn_ids(tokenizer: Tokenizer, template: str, message: dict[str, Any],
 
 
 def sft_batch(
-    tokenizer: Tokenizer, task_names: list[str], batch_size: int, rng: random.Random,
+    tokenizer: Tokenizer, tasks: TaskSet, task_names: list[str], batch_size: int, rng: random.Random,
     prompts: PromptFormat | None = None, task_weights: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs [B, S] and targets [B, S]: targets are the completion + EOS; prompts (formatted as the job formats
@@ -97,7 +98,7 @@ def sft_batch(
     for _ in range(batch_size):
         # uniform draws keep rng.choice, so the bases built before task_weights existed stay what they were
         name = rng.choices(task_names, weights)[0] if weights else rng.choice(task_names)
-        task = get_task(name)
+        task = tasks[name]
         problem = task.sft_sample(rng)
         if isinstance(task, AgentTask):  # a demonstration, tokenized as the gateway would have
             prompt, target, trained = demonstration_ids(task, problem, tokenizer)
@@ -157,8 +158,10 @@ def _loss_summary(losses: list[float]) -> dict[str, Any]:
 class _SupervisedPass:
     """The SFT loop as a resumable state: model, optimizer and data RNG, so a rollback replays the same steps."""
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, warm: WarmStartConfig, prompts: PromptFormat) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, tasks: TaskSet, warm: WarmStartConfig,
+                 prompts: PromptFormat) -> None:
         self.model = model
+        self.tasks = tasks
         self.tokenizer = tokenizer
         self.warm = warm
         self.prompts = prompts
@@ -166,12 +169,12 @@ class _SupervisedPass:
         self.rng = random.Random(warm.seed)
         self.step = 0
         self.losses: list[float] = []
-        self.probes = {name: get_task(name).probe(warm.probe_problems) for name in warm.tasks}
+        self.probes = {name: tasks[name].probe(warm.probe_problems) for name in warm.tasks}
         self.last_probe: dict[str, float] = {}
 
     def train_step(self) -> float:
-        inputs, targets = sft_batch(self.tokenizer, self.warm.tasks, self.warm.batch_size, self.rng, self.prompts,
-                                    self.warm.task_weights)
+        inputs, targets = sft_batch(self.tokenizer, self.tasks, self.warm.tasks, self.warm.batch_size, self.rng,
+                                    self.prompts, self.warm.task_weights)
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         for group in self.optimizer.param_groups:
@@ -185,7 +188,8 @@ class _SupervisedPass:
         return self.losses[-1]
 
     def probe_accuracy_by_task(self) -> dict[str, float]:
-        accuracy = {name: accuracy_on(self.model, self.tokenizer, get_task(name), problems, prompts=self.prompts)
+        accuracy = {name: accuracy_on(self.model, self.tokenizer, self.tasks, self.tasks[name], problems,
+                                    prompts=self.prompts)
                     for name, problems in self.probes.items()}
         self.model.train()
         return accuracy
@@ -263,23 +267,23 @@ def _train_to_band(sft: _SupervisedPass, bar: Progress, job: TaskID) -> dict[str
         "or lr, or lower the band")
 
 
-def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) -> dict[str, Any]:
+def build_base_model(config: ModelConfig, tasks: TaskSet, out_dir: Path, progress: bool = True) -> dict[str, Any]:
     """Build, warm-start, evaluate and save the tiny base model into `out_dir`; return the warmstart info.
     Raises WarmStartError, saving nothing, when the warm start cannot land in its target band."""
     start_s = time.perf_counter()
     warm = config.warm_start
     for name in warm.tasks:
-        get_task(name)
+        tasks[name]  # an unknown name fails before anything is built
     tokenizer = load_tokenizer(Path(config.tokenizer).expanduser()) if config.tokenizer else build_char_tokenizer()
     torch.manual_seed(warm.seed)
     model = CausalLM(model_args(config, tokenizer))
     init_weights(model)
     if warm.init_from is not None:
-        first = ensure_base_model(config.model_copy(update={"warm_start": warm.init_from}), progress=progress)
+        first = ensure_base_model(config.model_copy(update={"warm_start": warm.init_from}), tasks, progress=progress)
         shards = sorted(first.glob("*.safetensors"))
         load_state(model, {name: tensor for shard in shards for name, tensor in load_file(str(shard)).items()})
     model.train()
-    sft = _SupervisedPass(model, tokenizer, warm, PromptFormat.of(config, tokenizer))
+    sft = _SupervisedPass(model, tokenizer, tasks, warm, PromptFormat.of(config, tokenizer))
     with _progress(progress) as bar:
         job = bar.add_task("warm start", total=warm.max_steps, loss=float("nan"), probe="-")
         outcome = _train_to_band(sft, bar, job)
@@ -301,13 +305,13 @@ def build_base_model(config: ModelConfig, out_dir: Path, progress: bool = True) 
         "loss": _loss_summary(sft.losses),
         "train_s": round(train_s, 2),
         "wall_s": round(time.perf_counter() - start_s, 2),
-        "model_hash": config_hash(config),
+        "model_hash": config_hash(config, tasks),
     }
     (out_dir / WARMSTART_FILE).write_text(json.dumps(info, indent=2))
     return info
 
 
-def config_hash(config: ModelConfig) -> str:
+def config_hash(config: ModelConfig, tasks: Mapping[str, Task]) -> str:
     """sha256 of the build recipe and the model config JSON, without the fields that do not change the tiny model's
     weights (`path`, `cache_dir`, `init`, `init_seed`); the warm start's band, cap and probe are part of it, and so
     are the bytes of `model.tokenizer`'s files and of the warm start's datasets, not where they live, and the
@@ -323,31 +327,31 @@ def config_hash(config: ModelConfig) -> str:
         tree["tokenizer"] = _hash_files(hashlib.sha256(), Path(config.tokenizer).expanduser(),
                                         ("tokenizer.json", *TOKENIZER_FILES))
     datasets = {name: task.fingerprint() for name in config.warm_start.tasks
-                if isinstance(task := get_task(name), DatasetTask | AgentTask)}
+                if isinstance(task := tasks[name], DatasetTask | AgentTask)}
     if datasets:
         tree["datasets"] = datasets
     environments = {name: task.fingerprint() for name in config.warm_start.tasks
-                    if isinstance(task := get_task(name), GymTask | ReasoningGymTask)}
+                    if isinstance(task := tasks[name], GymTask | ReasoningGymTask)}
     if environments:  # a config entry's options (a map size, a dataset's difficulty) change what is warm-started on
         tree["environments"] = environments
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cached_model_dir(config: ModelConfig) -> Path:
+def cached_model_dir(config: ModelConfig, tasks: Mapping[str, Task]) -> Path:
     if config.init == "random":
         return Path(config.cache_dir).expanduser() / f"random-{random_init_hash(config)}"
-    return Path(config.cache_dir).expanduser() / f"base-{config_hash(config)}"
+    return Path(config.cache_dir).expanduser() / f"base-{config_hash(config, tasks)}"
 
 
-def ensure_base_model(config: ModelConfig, progress: bool = True) -> Path:
-    """The model dir: `config.path` if it is a checkpoint (must hold config.json), else the cached tiny model or
-    random init of `config.path`'s architecture, built once."""
+def ensure_base_model(config: ModelConfig, tasks: TaskSet, progress: bool = True) -> Path:
+    """The model dir: `config.path` if it is a checkpoint (must hold config.json), else the cached tiny model
+    (warm-started on `tasks`, scored by their rewards) or random init of `config.path`'s architecture, built once."""
     if config.path is not None and config.init != "random":
         path = Path(config.path).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path} is not an HF-format model dir (no config.json there)")
         return path
-    final = cached_model_dir(config)
+    final = cached_model_dir(config, tasks)
     marker = RANDOM_INIT_FILE if config.init == "random" else WARMSTART_FILE
     if (final / marker).is_file():
         return final
@@ -357,7 +361,7 @@ def ensure_base_model(config: ModelConfig, progress: bool = True) -> Path:
         if config.init == "random":
             build_random_model(config, tmp)
         else:
-            build_base_model(config, tmp, progress=progress)
+            build_base_model(config, tasks, tmp, progress=progress)
         os.rename(tmp, final)
     except OSError:
         # another process published the same model first: its copy is identical, keep it
@@ -412,11 +416,11 @@ def build_random_model(config: ModelConfig, out_dir: Path) -> dict[str, Any]:
     return info
 
 
-def main(config: ModelConfig, force: bool = False) -> None:
+def main(config: ModelConfig, tasks: TaskSet, force: bool = False) -> None:
     """`jetroll init-model`: build (or reuse) the base model and print where it is and how good it is."""
     if force and (config.path is None or config.init == "random"):
-        shutil.rmtree(cached_model_dir(config), ignore_errors=True)
-    path = ensure_base_model(config)
+        shutil.rmtree(cached_model_dir(config, tasks), ignore_errors=True)
+    path = ensure_base_model(config, tasks)
     info_path = path / WARMSTART_FILE
     print(f"base model: {path}")
     if (path / RANDOM_INIT_FILE).is_file():

@@ -32,7 +32,7 @@ from jetroll.shared.protocol.validate import (
 from jetroll.shared.rl.admission import Admission, admission_window, in_flight_caps, in_flight_slack
 from jetroll.shared.store.base import WeightStore, WeightStoreError
 from jetroll.shared.tasks.dataset import DatasetTask
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 log = logging.getLogger("jetroll.controller")
 
@@ -43,8 +43,9 @@ METRICS_TRIM_EVERY_S = 5.0
 
 
 class Controller:
-    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, run_dir: Path) -> None:
+    def __init__(self, config: JobConfig, tasks: TaskSet, bus: RedisBus, store: WeightStore, run_dir: Path) -> None:
         self.config = config
+        self.tasks = tasks
         self.bus = bus
         self.store = store
         self.run_dir = run_dir
@@ -57,7 +58,7 @@ class Controller:
         assert config.model.path, "the launcher resolves model.path before services start"
         self.tokenizer = load_tokenizer(config.model.path)
         self.prompts = PromptFormat.of(config.model, self.tokenizer)
-        self.limits = EventLimits.of(config, self.tokenizer.vocab_size)
+        self.limits = EventLimits.of(config, tasks, self.tokenizer.vocab_size)
         self.is_metric = expecting(MetricsEvent, lambda event: check_metrics(event, self.limits))
         self.book = MetricsBook(run_dir)
         self.sinks = MetricSinks(config, run_dir)
@@ -65,9 +66,9 @@ class Controller:
         self.dead_letters = DeadLetters(bus)
         self.in_flight = InFlightIndex(bus, in_flight_slack(config))
         self.version = 0
-        self.pool_of_task = route_tasks(config.rollout, self.task_names, self.tokenizer)
+        self.pool_of_task = route_tasks(config.rollout, tasks, self.task_names, self.tokenizer)
         self.datasets = {name: task.rows for name in self.task_names
-                         if isinstance(task := get_task(name), DatasetTask)}
+                         if isinstance(task := tasks[name], DatasetTask)}
         log.info("task -> rollout pool: %s; pool labels: %s", self.pool_of_task,
                  {pool.name: pool.labels for pool in config.rollout.pools})
 
@@ -171,7 +172,7 @@ class Controller:
         events = []
         first = self.admission.num_admitted + 1
         for index in range(first, first + num):
-            drawn = self.admission.draw(self.config.seed, index, in_flight)
+            drawn = self.admission.draw(self.tasks, self.config.seed, index, in_flight)
             if drawn is None:  # every task is at its in-flight cap
                 break
             task, problem = drawn
@@ -214,7 +215,8 @@ class Controller:
 
         def run() -> dict[str, float]:
             model, tokenizer = load_pretrained(directory, self.config.precision.numerics())
-            return evaluate(model, tokenizer, self.task_names, self.config.eval.num_problems, prompts=self.prompts)
+            return evaluate(model, tokenizer, self.tasks, self.task_names, self.config.eval.num_problems,
+                            prompts=self.prompts)
 
         accuracy = await asyncio.to_thread(run)
         self.book.evals.append({"version": version, **accuracy})
@@ -264,7 +266,7 @@ class Controller:
             "accuracy_before_per_task": before,
             "accuracy_after_per_task": after,
             # what each task was scored on: a dataset's held-out split may be shorter than eval.num_problems
-            "num_eval_problems": {name: len(get_task(name).heldout(self.config.eval.num_problems))
+            "num_eval_problems": {name: len(self.tasks[name].heldout(self.config.eval.num_problems))
                                   for name in self.task_names},
             "rollout_tokens_per_s": self.book.rollout_tokens_per_s(),
             "mismatch_mean_abs_logprob": mismatch,

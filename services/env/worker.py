@@ -24,7 +24,7 @@ from jetroll.shared.protocol.topology import METRICS, episodes_stream
 from jetroll.shared.protocol.validate import EventLimits, check_episode, expecting
 from jetroll.shared.tasks.agent import end_session, run_agent
 from jetroll.shared.tasks.base import Problem
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 log = logging.getLogger("jetroll.env")
 READ_BATCH = 16
@@ -32,8 +32,10 @@ METRICS_EVERY_S = 5.0
 
 
 class EnvWorker:
-    def __init__(self, config: JobConfig, bus: RedisBus, consumer: str, pool: str | None = None) -> None:
+    def __init__(self, config: JobConfig, tasks: TaskSet, bus: RedisBus, consumer: str,
+                 pool: str | None = None) -> None:
         self.config = config
+        self.tasks = tasks
         self.bus = bus
         self.consumer = consumer
         self.pool = config.rollout.pool(pool) if pool else config.rollout.pools[0]
@@ -44,7 +46,7 @@ class EnvWorker:
 
     async def run(self) -> None:
         await self.bus.ensure_group(self.stream.name, self.stream.group)
-        limits = EventLimits.of(self.config, 1)
+        limits = EventLimits.of(self.config, self.tasks, 1)
         is_episode = expecting(EpisodeEvent, lambda episode: check_episode(episode, limits))
         claims = HeldClaims(self.bus, self.stream.name, self.stream.group, self.consumer,
                             self.config.redis.claim_idle_ms)
@@ -67,7 +69,7 @@ class EnvWorker:
     async def _episode(self, delivery: Delivery) -> None:
         event = delivery.event
         assert isinstance(event, EpisodeEvent)  # `is_episode` dead-lettered anything else
-        task = get_task(event.task)
+        task = self.tasks[event.task]
         timeout_s = task.timeout_s  # type: ignore[attr-defined]
         try:
             outcome = await run_agent(task.agent, Problem(event.prompt, event.answer), event.url,  # type: ignore[attr-defined]

@@ -37,14 +37,17 @@ def prepare_process(service: str, config: JobConfig) -> None:
 async def service_main(name: str, config: JobConfig, redis_url: str, consumer: str, run_dir: Path,
                        pool: str | None = None) -> None:
     """Run service `name` of one job until it finishes or is cancelled."""
+    from jetroll.functions.scoring import job_tasks
     from jetroll.shared.protocol.bus import RedisBus
     from jetroll.shared.store import setup_store
+
+    tasks = job_tasks(config)  # built once, here, and passed in
 
     if name == "reward":
         from jetroll.services.reward.main import run as run_reward
 
         assert config.model.path
-        await run_reward(config, redis_url, config.model.path, consumer)
+        await run_reward(config, tasks, redis_url, config.model.path, consumer)
         return
     bus = RedisBus.of_job(redis_url, config.job_id, config.redis)
     store = setup_store(config.store, config.job_id, run_dir)
@@ -52,19 +55,19 @@ async def service_main(name: str, config: JobConfig, redis_url: str, consumer: s
         if name == "trainer":
             from jetroll.services.trainer.trainer import Trainer
 
-            await Trainer(config, bus, store, consumer).run()
+            await Trainer(config, tasks, bus, store, consumer).run()
         elif name == "rollout":
             from jetroll.services.rollout.worker import RolloutWorker
 
-            await RolloutWorker(config, bus, store, consumer, pool).run()
+            await RolloutWorker(config, tasks, bus, store, consumer, pool).run()
         elif name == "env":
             from jetroll.services.env.worker import EnvWorker
 
-            await EnvWorker(config, bus, consumer, pool).run()
+            await EnvWorker(config, tasks, bus, consumer, pool).run()
         else:
             from jetroll.services.controller.controller import Controller
 
-            summary = await Controller(config, bus, store, run_dir).run()
+            summary = await Controller(config, tasks, bus, store, run_dir).run()
             print(json.dumps({k: summary[k] for k in ("steps", "accuracy_before", "accuracy_after",
                                                       "rollout_tokens_per_s", "mismatch_mean_abs_logprob")}))
     finally:

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Protocol
 
 from jetroll.services.launch.redis_server import RedisServer
-from jetroll.shared.config.dataset import DatasetTaskConfig
 from jetroll.shared.config.job import JobConfig, config_tree, validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.protocol.client import RedisUnreachable, server_version
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.dataset import DatasetTask
+from jetroll.shared.tasks.registry import TaskSet
 
 
 class JobLauncher(Protocol):
@@ -81,10 +81,12 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
     """The config every service of a job reads: its datasets read and checked, the base model built or found
     (model.path), and the store root (or the S3 store's cache) and dataset paths made absolute, `<run_dir>/store`
     by default. `jetroll run` and the watch-mode controller both resolve a job this way."""
+    from jetroll.functions.scoring import job_tasks
     from jetroll.shared.warm_start import ensure_base_model
 
-    check_datasets(config)
-    model_path = ensure_base_model(config.model)
+    tasks = job_tasks(config)
+    check_datasets(config, tasks)
+    model_path = ensure_base_model(config.model, tasks)
     store_root = config.store.root or str(run_dir / "store")
     tree = config_tree(config)
     tree["model"]["path"] = str(Path(model_path).resolve())
@@ -98,12 +100,12 @@ def resolve_config(config: JobConfig, run_dir: Path) -> JobConfig:
     return validate_config(tree)
 
 
-def check_datasets(config: JobConfig) -> None:
+def check_datasets(config: JobConfig, tasks: TaskSet) -> None:
     """Read every dataset task's files before anything starts: a missing file or an empty split fails here with
     one line (DatasetError), and the rows skipped as bad are counted."""
     for entry in config.tasks:
-        if isinstance(entry, DatasetTaskConfig):
-            rows = get_task(entry.name).rows
+        if isinstance(task := tasks[entry.name], DatasetTask):
+            rows = task.rows
             print(f"jetroll: dataset task {entry.name}: {len(rows.train)} training, {len(rows.probe)} probe and "
                   f"{len(rows.heldout)} held-out rows from {len(rows.files)} file(s); {len(rows.bad)} bad rows "
                   "skipped" + (f", {rows.heldout_overlap} training rows dropped as held-out duplicates"

@@ -12,9 +12,10 @@ from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.validate import EventLimits
+from jetroll.shared.tasks.registry import TaskSet
 
 
-async def run(config: JobConfig, redis_url: str, model_dir: str, consumer: str) -> None:
+async def run(config: JobConfig, tasks: TaskSet, redis_url: str, model_dir: str, consumer: str) -> None:
     """Run the reward router for `config.job_id` until cancelled."""
     tokenizer = load_tokenizer(model_dir)
 
@@ -33,7 +34,8 @@ async def run(config: JobConfig, redis_url: str, model_dir: str, consumer: str) 
             bus,
             backends,
             detokenize,
-            limits=EventLimits.of(config, tokenizer.vocab_size),
+            limits=EventLimits.of(config, tasks, tokenizer.vocab_size),
+            task_rewards={entry.name: tasks[entry.name].reward for entry in config.tasks},
             consumer=consumer,
             default_backend=reward.backend,
             task_backends=reward.task_backends,

@@ -19,7 +19,6 @@ from jetroll.shared.protocol.ledger import Ledger
 from jetroll.shared.protocol.topology import METRICS, SEEN_REWARD, TRAJ_RAW, TRAJ_SCORED
 from jetroll.shared.protocol.validate import EventLimits, check_trajectory, expecting
 from jetroll.shared.tasks.agent import ENV_REWARD
-from jetroll.shared.tasks.registry import get_task
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +51,7 @@ class RewardRouter:
         detokenize: Callable[[np.ndarray], str],
         *,
         limits: EventLimits,
+        task_rewards: Mapping[str, str],
         consumer: str,
         default_backend: str = "local",
         task_backends: Mapping[str, str] | None = None,
@@ -69,6 +69,7 @@ class RewardRouter:
         self.consumer = consumer
         self.default_backend = default_backend
         self.task_backends = dict(task_backends or {})
+        self.task_rewards = dict(task_rewards)  # task -> the name of its reward
         self.max_retries = max_retries
         self.max_throttle_retries = max_throttle_retries
         self.throttle_backoff_s = throttle_backoff_s
@@ -177,7 +178,7 @@ class RewardRouter:
         if traj.env_status != "ok":
             status, reward, attempts = "env_fail", None, 0
             details: dict[str, Any] = {"error": f"environment status {traj.env_status!r}"}
-        elif _scored_by_env(traj.task):
+        elif self.task_rewards.get(traj.task) == ENV_REWARD:
             # an agent's own reward; none means its episode ran out of budget (length) before the agent reported
             status, reward, attempts = "ok", traj.env_reward or 0.0, 1
             details = {"correct": traj.env_reward == 1.0, "note": "the environment's reward"}
@@ -202,7 +203,7 @@ class RewardRouter:
     ) -> tuple[RewardStatus, float | None, int, dict[str, Any]]:
         """(final status, reward, attempts, details) after the retries the backend allows."""
         try:
-            reward_name = get_task(traj.task).reward
+            reward_name = self.task_rewards[traj.task]
             completion = self.detokenize(traj.completion_ids.numpy())
             backend = self.backends.get(backend_name)
             if backend is None:
@@ -246,11 +247,3 @@ class RewardRouter:
             job_id=self.bus.job_id, service="reward", values={name: float(value) for name, value in values.items()},
             step=step))
         self._metrics_at, self._metrics_scored = now, step
-
-
-def _scored_by_env(task: str) -> bool:
-    """Whether the task's reward is its environment's own (agent tasks: reward `env`)."""
-    try:
-        return get_task(task).reward == ENV_REWARD
-    except ValueError:  # an unknown task is the scoring path's error to report
-        return False

@@ -50,7 +50,7 @@ from jetroll.shared.store.base import WeightStore, WeightStoreError, encode_mani
 from jetroll.shared.tasks.agent import AgentTask
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.env import FlakyEnv, is_multi_turn
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 if TYPE_CHECKING:  # the gateway (aiohttp) loads with the first agent group: the `agents` extra
     from jetroll.shared.engine.gateway import Gateway, Session
@@ -70,9 +70,10 @@ class InFlightGroup:
 
 
 class RolloutWorker:
-    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, consumer: str,
+    def __init__(self, config: JobConfig, tasks: TaskSet, bus: RedisBus, store: WeightStore, consumer: str,
                  pool: str | None = None) -> None:
         self.config = config
+        self.tasks = tasks
         self.bus = bus
         self.store = store
         self.consumer = consumer
@@ -109,7 +110,7 @@ class RolloutWorker:
         await self._check_plan(version, await asyncio.to_thread(_read_tensors, directory))
         built = build_engine(self.config, self.pool, directory)
         self.engine, self.tokenizer = built.engine, built.tokenizer
-        self.limits = EventLimits.of(self.config, built.vocab_rows)
+        self.limits = EventLimits.of(self.config, self.tasks, built.vocab_rows)
         if self.runs_model:  # an engine that draws its samples runs no kernels and no environments
             probe(self.engine, self.engine_name)
             rollout = self.config.rollout
@@ -260,7 +261,7 @@ class RolloutWorker:
         prompt_ids = group.prompt_ids.numpy().tolist()
         max_new = min(group.max_new_tokens, self.engine.max_len - len(prompt_ids))
         self.groups[group.group_id] = InFlightGroup(group, entry_id, group.group_size)
-        task = get_task(group.task)
+        task = self.tasks[group.task]
         if isinstance(task, AgentTask):
             await self._start_sessions(group, task, prompt_ids, max_new)
             return

@@ -13,13 +13,14 @@ from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
 from jetroll.shared.rl.passes import PolicyPass, gradient_logp, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.rl.staleness import fresh_tokens
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 
 class Actor:
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig, tasks: TaskSet) -> None:
         assert config.model.path, "the launcher resolves model.path before services start"
         self.config = config
+        self.tasks = tasks
         self.device = torch_device(config.trainer.device, "trainer.device")
         numerics = config.precision.numerics().trainer_side()
         self.model, self.tokenizer = load_pretrained(config.model.path, numerics, self.device)
@@ -76,7 +77,7 @@ class Actor:
         return trainer_lr(self.config.trainer, version)
 
     def _loss_denominator(self, batch: TokenBatch, loss_mask: torch.Tensor) -> float:
-        budgets = [self.config.rollout.sample_budget(get_task(task).max_new_tokens) for task in batch.tasks]
+        budgets = [self.config.rollout.sample_budget(self.tasks[task].max_new_tokens) for task in batch.tasks]
         return loss_denominator(self.config.trainer.advantage, loss_mask, budgets)
 
     def _reference_logp(self, batch: TokenBatch, rows: torch.Tensor, width: int) -> torch.Tensor | None:

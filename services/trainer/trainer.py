@@ -23,6 +23,7 @@ from jetroll.shared.protocol.validate import EventLimits
 from jetroll.shared.rl.batch import PendingGroup
 from jetroll.shared.rl.staleness import staleness_stats
 from jetroll.shared.store.base import WeightStore
+from jetroll.shared.tasks.registry import TaskSet
 
 log = logging.getLogger("jetroll.trainer")
 
@@ -41,7 +42,7 @@ class Clock:
 
 
 class Trainer:
-    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, consumer: str) -> None:
+    def __init__(self, config: JobConfig, tasks: TaskSet, bus: RedisBus, store: WeightStore, consumer: str) -> None:
         self.config = config
         self.bus = bus
         self.store = store
@@ -50,9 +51,9 @@ class Trainer:
         self.version = 0
         self.commit_task: asyncio.Task[None] | None = None
         self.publish_s = 0.0
-        self.actor = Actor(config)
+        self.actor = Actor(config, tasks)
         self.train_step = modelled_step(config.trainer, lambda: self.publish_s) or self.actor.step
-        limits = EventLimits.of(config, self.actor.model.args.vocab_size)
+        limits = EventLimits.of(config, tasks, self.actor.model.args.vocab_size)
         self.intake = Intake(config, bus, consumer, self.ledger, limits, lambda: self.version)
         self.committer = Committer(config, bus, store, self.ledger, self.actor, self.intake.release)
 

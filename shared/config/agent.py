@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import TaskMixEntry
 from jetroll.shared.tasks.agent import EXTRA, AgentTask
+from jetroll.shared.tasks.base import Task
 
 
 class AgentTaskConfig(TaskMixEntry):
@@ -49,24 +51,16 @@ class AgentTaskConfig(TaskMixEntry):
             raise ValueError(f"agent task {self.name}: path (the problems file) goes with agent; an environment "
                              "brings its own problems")
         if self.agent is not None:
-            task = agent_task(self, 0)
+            task = self.build(0, {})
             _ = task.agent, task.tools  # each imports now, or says why it cannot
         return self
 
-
-def agent_task(entry: AgentTaskConfig, seed: int) -> AgentTask:
-    """The task a `kind: agent` entry describes (the config registers it as it validates, after the tasks listed
-    before it: an environment's task is looked up then)."""
-    environment = None
-    if entry.environment is not None:
-        from jetroll.shared.tasks.env import is_multi_turn
-        from jetroll.shared.tasks.registry import get_task
-
-        environment = get_task(entry.environment)
-        if not is_multi_turn(environment):
-            raise ValueError(f"agent task {entry.name}: environment {entry.environment!r} is not a multi-turn task")
-    return AgentTask(name=entry.name, agent_path=entry.agent, path=entry.path, environment=environment,
-                     max_turns=entry.max_turns, question_field=entry.question_field,
-                     answer_field=entry.answer_field, demonstration_field=entry.demonstration_field,
-                     demonstration_tools=entry.demonstration_tools, max_new_tokens=entry.max_new_tokens,
-                     timeout_s=entry.timeout_s, seed=seed)
+    def build(self, seed: int, known: Mapping[str, Task]) -> AgentTask:
+        """The task this entry describes, in a job of `seed`; `known` holds the tasks an environment may name (the
+        job validated that it names a multi-turn one)."""
+        return AgentTask(name=self.name, agent_path=self.agent, path=self.path,
+                         environment=None if self.environment is None else known[self.environment],
+                         max_turns=self.max_turns, question_field=self.question_field,
+                         answer_field=self.answer_field, demonstration_field=self.demonstration_field,
+                         demonstration_tools=self.demonstration_tools, max_new_tokens=self.max_new_tokens,
+                         timeout_s=self.timeout_s, seed=seed)

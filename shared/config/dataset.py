@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import TaskMixEntry
+from jetroll.shared.tasks.base import Task
 from jetroll.shared.tasks.dataset import DatasetTask
 
 
@@ -44,11 +46,10 @@ class DatasetTaskConfig(TaskMixEntry):
                              "on")
         return self
 
-
-def dataset_task(entry: DatasetTaskConfig, seed: int) -> DatasetTask:
-    """The task a `kind: dataset` entry describes, in a job of `seed` (the config registers it as it validates)."""
-    return DatasetTask(name=entry.name, path=entry.path, reward=entry.reward, answer_field=entry.answer_field,
-                       prompt_field=entry.prompt_field, messages_field=entry.messages_field,
-                       solution_field=entry.solution_field, heldout_path=entry.heldout_path,
-                       heldout_fraction=entry.heldout_fraction, probe_fraction=entry.probe_fraction,
-                       max_new_tokens=entry.max_new_tokens, seed=seed)
+    def build(self, seed: int, known: Mapping[str, Task]) -> DatasetTask:
+        """The task this entry describes, in a job of `seed` (its files are read on first use)."""
+        return DatasetTask(name=self.name, path=self.path, reward=self.reward, answer_field=self.answer_field,
+                           prompt_field=self.prompt_field, messages_field=self.messages_field,
+                           solution_field=self.solution_field, heldout_path=self.heldout_path,
+                           heldout_fraction=self.heldout_fraction, probe_fraction=self.probe_fraction,
+                           max_new_tokens=self.max_new_tokens, seed=seed)

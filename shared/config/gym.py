@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import TaskMixEntry
 from jetroll.shared.config.faults import EnvFaults
-from jetroll.shared.tasks.gym_text import ADAPTERS, GymTask, gymnasium
+from jetroll.shared.tasks.base import Task
+from jetroll.shared.tasks.gym_text import ADAPTERS, GymTask, gymnasium, text_adapter
 
 
 class GymTaskConfig(TaskMixEntry):
@@ -33,11 +35,10 @@ class GymTaskConfig(TaskMixEntry):
     @model_validator(mode="after")
     def _runnable(self) -> GymTaskConfig:
         gymnasium()  # a missing extra fails here, in one line naming it
-        gym_task(self)  # the adapter takes its options
+        text_adapter(self.env_id, self.options, self.adapter)  # the adapter takes its options
         return self
 
-
-def gym_task(entry: GymTaskConfig) -> GymTask:
-    """The task a `kind: gymnasium` entry describes (the config registers it as it validates)."""
-    return GymTask(name=entry.name, env_id=entry.env_id, adapter_options=tuple(sorted(entry.options.items())),
-                   adapter_path=entry.adapter, max_turns=entry.max_turns, max_new_tokens=entry.max_new_tokens)
+    def build(self, seed: int, known: Mapping[str, Task]) -> GymTask:
+        """The task this entry describes."""
+        return GymTask(name=self.name, env_id=self.env_id, adapter_options=tuple(sorted(self.options.items())),
+                       adapter_path=self.adapter, max_turns=self.max_turns, max_new_tokens=self.max_new_tokens)

@@ -11,21 +11,24 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from jetroll.shared.config.agent import AgentTaskConfig, agent_task
+from jetroll.shared.config.agent import AgentTaskConfig
 from jetroll.shared.config.base import Strict, TaskMixEntry
-from jetroll.shared.config.dataset import DatasetTaskConfig, dataset_task
+from jetroll.shared.config.dataset import DatasetTaskConfig
 from jetroll.shared.config.faults import EnvFaults
-from jetroll.shared.config.gym import GymTaskConfig, gym_task
+from jetroll.shared.config.gym import GymTaskConfig
 from jetroll.shared.config.launch import LaunchConfig, RedisConfig
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.config.precision import PrecisionConfig
-from jetroll.shared.config.reasoning import ReasoningGymTaskConfig, reasoning_gym_task
+from jetroll.shared.config.reasoning import ReasoningGymTaskConfig
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.config.rollout import RolloutConfig
 from jetroll.shared.config.staleness import StalenessConfig, eta_hard_of
 from jetroll.shared.config.store import StoreConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.errors import ConfigError
+from jetroll.shared.tasks.base import Task
+from jetroll.shared.tasks.env import is_multi_turn
+from jetroll.shared.tasks.registry import TASKS, Rewards, TaskSet
 
 
 class RegisteredTaskConfig(TaskMixEntry):
@@ -115,50 +118,41 @@ class JobConfig(Strict):
                 return entry.env_faults
         return None
 
+    def build_tasks(self, rewards: Rewards | None = None) -> TaskSet:
+        """The job's tasks, each built from its entry in order (an agent's environment is one listed before it);
+        with `rewards`, the reward functions that score them. Each service builds them once, at its entry."""
+        configured: dict[str, Task] = {}
+        for entry in self.tasks:
+            if not isinstance(entry, RegisteredTaskConfig):
+                configured[entry.name] = entry.build(self.seed, TaskSet(configured))
+        return TaskSet(configured, rewards)
+
     @model_validator(mode="after")
     def _known_tasks(self) -> JobConfig:
-        from jetroll.functions.builtin import NOT_ON_LAMBDA
-        from jetroll.shared.tasks.env import is_multi_turn
-        from jetroll.shared.tasks.registry import TASKS, register_configured
-
         names = [task.name for task in self.tasks]
         if len(set(names)) < len(names):
             raise ValueError(f"tasks: a task appears twice ({names})")
-        for task in self.tasks:
-            if isinstance(task, DatasetTaskConfig):
-                if task.messages_field is not None and not self.model.chat_template:
-                    raise ValueError(f"dataset task {task.name}: messages_field needs model.chat_template: true")
-                if not self.reward.modules:  # a user reward registers only where its module is importable
-                    from jetroll.functions.runner import REWARDS
-
-                    if task.reward not in REWARDS:
-                        raise ValueError(f"dataset task {task.name}: unknown reward {task.reward!r}; valid: "
-                                         f"{sorted(REWARDS)} (or name its module in reward.modules)")
-                register_configured(dataset_task(task, self.seed))
-            elif isinstance(task, GymTaskConfig):
-                register_configured(gym_task(task))
-            elif isinstance(task, ReasoningGymTaskConfig):
-                if self.model.path is None and self.model.tokenizer is None:
-                    raise ValueError(f"reasoning_gym task {task.name}: its prompts are English with capitals, which "
-                                     "the tiny model's char vocabulary cannot spell; set model.tokenizer (a byte-level "
-                                     "BPE such as configs/models/bpe-math) or model.path")
-                register_configured(reasoning_gym_task(task, self.seed))
-            elif isinstance(task, AgentTaskConfig):
-                if (self.model.path is None and self.model.tokenizer is None) or not self.model.chat_template:
-                    raise ValueError(f"agent task {task.name}: its gateway renders chat messages with the model's "
-                                     "chat template: set model.chat_template: true and a model that ships one "
-                                     "(model.tokenizer such as configs/models/bpe-agent, or model.path)")
-                register_configured(agent_task(task, self.seed))
+        valid = sorted({*TASKS, *names})
+        environments = {name for name, task in TASKS.items() if is_multi_turn(task)}
         for i, task in enumerate(self.tasks):
-            if task.name not in TASKS:
-                raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {sorted(TASKS)}")
-            if TASKS[task.name].reward in NOT_ON_LAMBDA and self.reward.backend_of(task.name) == "lambda":
-                raise ValueError(f"task {task.name!r}: its reward {TASKS[task.name].reward!r} replays the task "
-                                 "through jetroll.shared and its extra, which the Lambda package leaves out; score it "
-                                 "on the local, inline or celery backend")
+            if isinstance(task, RegisteredTaskConfig):
+                if task.name not in TASKS:
+                    raise ValueError(f"tasks.{i}.name: unknown task {task.name!r}; valid: {valid}")
+            elif task.name in TASKS:
+                raise ValueError(f"task {task.name!r}: a built-in task has that name")
+            self._check_entry(task)
+            if isinstance(task, GymTaskConfig):
+                environments.add(task.name)
             faulty = isinstance(task, RegisteredTaskConfig | GymTaskConfig) and task.env_faults is not None
-            if faulty and not is_multi_turn(TASKS[task.name]):
+            if faulty and task.name not in environments:
                 raise ValueError(f"tasks.{i}.env_faults: task {task.name!r} has no environment to make flaky")
+            if isinstance(task, AgentTaskConfig) and task.environment is not None:
+                if task.environment not in {*TASKS, *names[:i]}:
+                    raise ValueError(f"tasks.{i}.environment: unknown task {task.environment!r}; valid: a registered "
+                                     f"task or one listed before it ({sorted({*TASKS, *names[:i]})})")
+                if task.environment not in environments:
+                    raise ValueError(f"agent task {task.name}: environment {task.environment!r} is not a multi-turn "
+                                     "task")
             if task.max_staleness is not None and self.staleness.mode == "sync":
                 raise ValueError(f"tasks.{i}.max_staleness: a task's own staleness bound needs staleness.mode "
                                  "async (a sync job trains every token at the version that sampled it)")
@@ -167,9 +161,26 @@ class JobConfig(Strict):
                 raise ValueError(f"rollout.max_batch (or pool {pool.name}'s max_batch) must be >= "
                                  "trainer.group_size (a group decodes together)")
             for task in pool.tasks:
-                if task not in TASKS:
-                    raise ValueError(f"rollout pool {pool.name}: unknown task {task!r}; valid: {sorted(TASKS)}")
+                if task not in valid:
+                    raise ValueError(f"rollout pool {pool.name}: unknown task {task!r}; valid: {valid}")
+        for task in self.reward.task_backends:
+            if task not in valid:
+                raise ValueError(f"reward.task_backends: unknown task {task!r}; valid: {valid}")
         return self
+
+    def _check_entry(self, task: TaskEntry) -> None:
+        """What a kind of entry needs of the rest of the job (the model's tokenizer and chat template)."""
+        if isinstance(task, DatasetTaskConfig) and task.messages_field is not None and not self.model.chat_template:
+            raise ValueError(f"dataset task {task.name}: messages_field needs model.chat_template: true")
+        if isinstance(task, ReasoningGymTaskConfig) and self.model.path is None and self.model.tokenizer is None:
+            raise ValueError(f"reasoning_gym task {task.name}: its prompts are English with capitals, which "
+                             "the tiny model's char vocabulary cannot spell; set model.tokenizer (a byte-level "
+                             "BPE such as configs/models/bpe-math) or model.path")
+        if isinstance(task, AgentTaskConfig) and ((self.model.path is None and self.model.tokenizer is None)
+                                                  or not self.model.chat_template):
+            raise ValueError(f"agent task {task.name}: its gateway renders chat messages with the model's "
+                             "chat template: set model.chat_template: true and a model that ships one "
+                             "(model.tokenizer such as configs/models/bpe-agent, or model.path)")
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from jetroll.shared.config.base import TaskMixEntry
+from jetroll.shared.tasks.base import Task
 from jetroll.shared.tasks.reasoning import ReasoningGymTask, reasoning_gym
 
 
@@ -33,8 +35,7 @@ class ReasoningGymTaskConfig(TaskMixEntry):
             raise ValueError(f"reasoning_gym task {self.name}: {type(exc).__name__}: {exc}") from None
         return self
 
-
-def reasoning_gym_task(entry: ReasoningGymTaskConfig, seed: int) -> ReasoningGymTask:
-    """The task a `kind: reasoning_gym` entry describes, in a job of `seed`."""
-    return ReasoningGymTask(name=entry.name, dataset=entry.dataset, options=tuple(sorted(entry.options.items())),
-                            seed=seed, max_new_tokens=entry.max_new_tokens)
+    def build(self, seed: int, known: Mapping[str, Task]) -> ReasoningGymTask:
+        """The task this entry describes, in a job of `seed`."""
+        return ReasoningGymTask(name=self.name, dataset=self.dataset, options=tuple(sorted(self.options.items())),
+                                seed=seed, max_new_tokens=self.max_new_tokens)

@@ -55,11 +55,6 @@ class RewardConfig(Strict):
 
     @model_validator(mode="after")
     def _limits(self) -> RewardConfig:
-        from jetroll.shared.tasks.registry import TASKS
-
-        for task in self.task_backends:
-            if task not in TASKS:
-                raise ValueError(f"reward.task_backends: unknown task {task!r}; valid: {sorted(TASKS)}")
         if self.celery_visibility_timeout_s <= self.celery_hard_time_limit_s:
             raise ValueError("reward.celery_visibility_timeout_s must exceed reward.timeout_s + "
                              f"reward.celery_hard_grace_s ({self.celery_hard_time_limit_s}s)")

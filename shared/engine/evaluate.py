@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from jetroll.functions.runner import get_reward
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
@@ -27,7 +26,7 @@ from jetroll.shared.store import setup_store
 from jetroll.shared.tasks.agent import AgentTask, InlineAgents
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.env import is_multi_turn
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import Rewards, TaskSet
 
 ENV_TIMEOUT_S = 10.0
 AGENT_PROMPT_ROOM = 384  # tokens for an agent's first request (its tools and question): it is rendered in the session
@@ -107,55 +106,56 @@ def agent_accuracy(model: CausalLM, tokenizer: Tokenizer, task: AgentTask, probl
 
 
 def accuracy_on(
-    model: CausalLM, tokenizer: Tokenizer, task: Task, problems: list[Problem], max_batch: int = 256,
+    model: CausalLM, tokenizer: Tokenizer, tasks: TaskSet, task: Task, problems: list[Problem], max_batch: int = 256,
     prompts: PromptFormat | None = None,
 ) -> float:
-    """The fraction of `problems` of `task` whose greedy completion its reward calls correct (an agent's: that
-    it solves)."""
+    """The fraction of `problems` of `task` whose greedy completion its reward (from `tasks`) calls correct (an
+    agent's: that it solves)."""
     if isinstance(task, AgentTask):
         return agent_accuracy(model, tokenizer, task, problems, max_batch)
-    reward_fn = get_reward(task.reward)
+    reward_fn = tasks.reward_fn(task)
     completions = greedy_completions(model, tokenizer, problems, task.max_new_tokens, max_batch, task, prompts)
     num_correct = sum(reward_fn(c, p.answer).correct for c, p in zip(completions, problems, strict=True))
     return num_correct / max(len(problems), 1)
 
 
 def evaluate(
-    model: CausalLM, tokenizer: Tokenizer, task_names: list[str], num_problems: int, max_batch: int = 256,
-    prompts: PromptFormat | None = None,
+    model: CausalLM, tokenizer: Tokenizer, tasks: TaskSet, task_names: list[str], num_problems: int,
+    max_batch: int = 256, prompts: PromptFormat | None = None,
 ) -> dict[str, float]:
     """Held-out greedy accuracy per task: the fraction of `task.heldout(num_problems)` whose reward says correct."""
-    return {name: accuracy_on(model, tokenizer, get_task(name), get_task(name).heldout(num_problems), max_batch,
+    return {name: accuracy_on(model, tokenizer, tasks, tasks[name], tasks[name].heldout(num_problems), max_batch,
                               prompts) for name in task_names}
 
 
-def score_model_dir(directory: Path, config: JobConfig, problems: dict[str, list[Problem]]) -> dict[str, float]:
+def score_model_dir(directory: Path, config: JobConfig, tasks: TaskSet,
+                    problems: dict[str, list[Problem]]) -> dict[str, float]:
     """The held-out accuracy per task of the HF-format model in `directory`, loaded and prompted as `config`'s job
     loads and prompts its weights."""
     model, tokenizer = load_pretrained(directory, config.precision.numerics())
     prompts = PromptFormat.of(config.model, tokenizer)
-    return {name: accuracy_on(model, tokenizer, get_task(name), task_problems, prompts=prompts)
+    return {name: accuracy_on(model, tokenizer, tasks, tasks[name], task_problems, prompts=prompts)
             for name, task_problems in problems.items()}
 
 
-def scoring_problems(task_name: str, split: Literal["heldout", "train"], n: int) -> list[Problem]:
+def scoring_problems(task: Task, split: Literal["heldout", "train"], n: int) -> list[Problem]:
     """`n` problems of a task's held-out split, or a fixed draw of its training split (the problems a job trains
     on come from it): far higher accuracy on training problems than on held-out ones means the model has learnt
     its problems rather than the skill, which small procedural spaces invite."""
-    task = get_task(task_name)
     if split == "heldout":
         return task.heldout(n)
-    rng = random.Random(f"{task_name}-train-eval")
+    rng = random.Random(f"{task.name}-train-eval")
     return [task.sample(rng, index) for index in range(1, n + 1)]
 
 
-async def score_run(run_dir: Path, versions: Sequence[int] | None = None, num_problems: int | None = None,
+async def score_run(run_dir: Path, rewards: Rewards, versions: Sequence[int] | None = None,
+                    num_problems: int | None = None,
                     split: Literal["heldout", "train"] = "heldout") -> list[dict[str, Any]]:
     """`jetroll eval`: score a job's published weight versions again, as its controller scored them (its config's
     tasks, prompt format and precision; the store its config names), on `num_problems` problems per task (default:
-    the job's eval.num_problems) of the `split` (`scoring_problems`). Default versions: those the job scored
-    (eval.jsonl) that its store still holds, else the newest. One row per version: its accuracy per task and how
-    many problems each task had."""
+    the job's eval.num_problems) of the `split` (`scoring_problems`), each by its reward in `rewards`. Default
+    versions: those the job scored (eval.jsonl) that its store still holds, else the newest. One row per version:
+    its accuracy per task and how many problems each task had."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{run_dir} holds no config.json: not a jetroll run dir (`jetroll run --run-dir`)")
@@ -175,12 +175,14 @@ async def score_run(run_dir: Path, versions: Sequence[int] | None = None, num_pr
     missing = sorted(set(versions) - set(held))
     if missing:
         raise ConfigError(f"{run_dir}: the job's store no longer holds version(s) {missing}; it holds {held}")
-    problems = {t.name: scoring_problems(t.name, split, num_problems) for t in config.tasks}
+    tasks = config.build_tasks(rewards)
+    problems = {t.name: scoring_problems(tasks[t.name], split, num_problems) for t in config.tasks}
     rows = []
     for version in versions:
         started = time.perf_counter()
         # a multi-turn task plays its episodes on an event loop of its own
-        accuracy = await asyncio.to_thread(score_model_dir, await store.fetch(version), config, problems)
+        accuracy = await asyncio.to_thread(score_model_dir, await store.fetch(version), config, tasks,
+                                          problems)
         rows.append({"version": version, **accuracy, "num_problems": {n: len(p) for n, p in problems.items()}})
         print(f"jetroll eval: v{version}: {accuracy} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
               flush=True)

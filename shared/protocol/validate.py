@@ -26,7 +26,7 @@ from jetroll.shared.protocol.events import (
     TrajectoryEvent,
     WeightsPublishedEvent,
 )
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TaskSet
 
 INTEGER_DTYPES = frozenset({"<i4", "<i8"})
 E = TypeVar("E")
@@ -55,11 +55,11 @@ class EventLimits:
     pools: frozenset[str]
 
     @classmethod
-    def of(cls, config: JobConfig, vocab_rows: int) -> EventLimits:
+    def of(cls, config: JobConfig, tasks: TaskSet, vocab_rows: int) -> EventLimits:
         rollout = config.rollout
         return cls(vocab_rows=vocab_rows, group_size=config.trainer.group_size,
                    max_seq_len=rollout.max_trajectory_tokens(),
-                   max_new_tokens=max(rollout.sample_budget(get_task(t.name).max_new_tokens) for t in config.tasks),
+                   max_new_tokens=max(rollout.sample_budget(tasks[t.name].max_new_tokens) for t in config.tasks),
                    max_version=config.trainer.max_steps, tasks=frozenset(t.name for t in config.tasks),
                    pools=frozenset(pool.name for pool in rollout.pools))
 

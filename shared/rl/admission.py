@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.seeds import derive_seed
 from jetroll.shared.tasks.base import Problem, Task
-from jetroll.shared.tasks.registry import get_task
 
 
 def task_shares(config: JobConfig) -> dict[str, float]:
@@ -78,7 +78,8 @@ class Admission:
             return None
         return rng.choices(names, weights=[self.task_weights[n] for n in names])[0]
 
-    def draw(self, job_seed: int, index: int, in_flight: dict[str, int]) -> tuple[Task, Problem] | None:
+    def draw(self, tasks: Mapping[str, Task], job_seed: int, index: int,
+             in_flight: dict[str, int]) -> tuple[Task, Problem] | None:
         """Group `index`'s task and problem (None: every task is at its in-flight cap). Its draws are its own, a pure
         function of the job's seed and the index: a restarted controller, or a peer's run of the same job, draws the
         same problem for it."""
@@ -86,5 +87,5 @@ class Admission:
         name = self.pick_task(in_flight, rng)
         if name is None:
             return None
-        task = get_task(name)
+        task = tasks[name]
         return task, task.sample(rng, index)

@@ -60,7 +60,7 @@ class Rows:
 @dataclass(frozen=True)
 class DatasetTask:
     """A `kind: dataset` entry of the job's `tasks` (its schema and builder: shared/config/dataset.py's
-    `dataset_task`); registered in the task registry when the config validates, under its name."""
+    `DatasetTaskConfig`), built into the job's TaskSet at each service's entry."""
 
     name: str
     path: str

@@ -1,17 +1,20 @@
-"""The task registry: every task a config may name, the built-in ones registered here."""
+"""Tasks by name: the registry of tasks defined in code (the built-in ones, and any a user module adds with
+`register_task`), and a job's `TaskSet`, those plus the tasks its config's entries describe, built once at a
+service's entry (`JobConfig.build_tasks`) and passed in."""
 
 from __future__ import annotations
 
-from jetroll.shared.tasks.agent import AgentTask
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 from jetroll.shared.tasks.arithmetic import ArithmeticTask
 from jetroll.shared.tasks.base import Task
 from jetroll.shared.tasks.calculator import CalculatorTask
 from jetroll.shared.tasks.count import CountTask
-from jetroll.shared.tasks.dataset import DatasetTask
-from jetroll.shared.tasks.gym_text import GymTask
-from jetroll.shared.tasks.reasoning import ReasoningGymTask
 
 TASKS: dict[str, Task] = {}
+# a reward function by name, `(completion, answer) -> RewardOutput`: the entry hands in jetroll.functions' registry
+Rewards = Mapping[str, Callable[[str, str], Any]]
 
 
 def register_task(task: Task) -> Task:
@@ -23,22 +26,42 @@ def register_task(task: Task) -> Task:
     return task
 
 
-def register_configured(task: DatasetTask | GymTask | ReasoningGymTask | AgentTask) -> None:
-    """Register a task a job config describes (a dataset's, an environment's). It replaces an earlier
-    configured task of its name (the last config validated in a process wins), never a built-in task."""
-    existing = TASKS.get(task.name)
-    if existing is not None and not isinstance(existing, DatasetTask | GymTask | ReasoningGymTask | AgentTask):
-        raise ValueError(f"task {task.name!r}: a built-in task has that name")
-    if existing != task:
-        TASKS[task.name] = task
+class UnknownTask(KeyError, ValueError):
+    """A KeyError, so that a TaskSet's `in` and `get` work; a ValueError, as the registry's lookups have raised."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
-def get_task(name: str) -> Task:
-    """The registered task called `name`; ValueError listing the valid names otherwise."""
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; valid: {sorted(TASKS)}") from None
+class TaskSet(Mapping[str, Task]):
+    """One job's tasks by name: the registered ones (as they were when it was built) and its configured ones; with
+    the reward functions that score them where its entry scores (an evaluation, a warm start's probe)."""
+
+    def __init__(self, configured: Mapping[str, Task] | None = None, rewards: Rewards | None = None) -> None:
+        self._tasks = {**TASKS, **(configured or {})}
+        self._rewards = rewards
+
+    def __getitem__(self, name: str) -> Task:
+        try:
+            return self._tasks[name]
+        except KeyError:
+            raise UnknownTask(f"unknown task {name!r}; valid: {sorted(self._tasks)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tasks)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def reward_fn(self, task: Task) -> Callable[[str, str], Any]:
+        """The function that scores `task`'s completions (an agent's task is scored by its agent, not here)."""
+        if self._rewards is None:
+            raise ValueError(f"task {task.name!r}: this task set was built without reward functions; build it "
+                             "with the rewards (jetroll.functions.scoring.job_tasks) where it scores completions")
+        try:
+            return self._rewards[task.reward]
+        except KeyError:
+            raise ValueError(f"unknown reward {task.reward!r}; valid: {sorted(self._rewards)}") from None
 
 
 register_task(ArithmeticTask())

@@ -14,6 +14,7 @@ from job_harness import REPO, SMOKE, Job, launch, stop
 from moto.server import ThreadedMotoServer
 from service_harness import build_model
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.shared.config.job import load_config
 from jetroll.shared.warm_start import ensure_base_model
 
@@ -49,7 +50,7 @@ def s3_url() -> Iterator[str]:
 def model_path() -> str:
     """The smoke config's tiny base model, built once per machine (tests/bases.py)."""
     config = load_config(SMOKE, [f"model.cache_dir={TEST_MODEL_CACHE}"])
-    return str(shared_base("smoke", lambda: ensure_base_model(config.model, progress=False)))
+    return str(shared_base("smoke", lambda: ensure_base_model(config.model, job_tasks(config), progress=False)))
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +60,8 @@ def calculator_model_path() -> Iterator[str]:
     torch.set_num_threads(1)  # the same weights; on a loaded 2-core machine two threads run the warm start ~10x slower
     try:
         config = load_config(CALCULATOR_SMOKE, [f"model.cache_dir={TEST_MODEL_CACHE}"])
-        yield str(shared_base("calculator-smoke", lambda: ensure_base_model(config.model, progress=False)))
+        yield str(shared_base("calculator-smoke",
+                              lambda: ensure_base_model(config.model, job_tasks(config), progress=False)))
     finally:
         torch.set_num_threads(previous)
 

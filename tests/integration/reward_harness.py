@@ -36,6 +36,11 @@ def detokenize(ids: np.ndarray) -> str:
     return "".join(chr(int(i)) for i in ids)
 
 
+def registered_rewards() -> dict[str, str]:
+    """Each task registered by now, by the name of its reward (what a router is given at its entry)."""
+    return {name: task.reward for name, task in TASKS.items()}
+
+
 def limits_under_test() -> EventLimits:
     """What the routers under test accept: the tasks registered by now, groups of 2, ids that are code points."""
     return EventLimits(vocab_rows=0x110000, group_size=2, max_seq_len=1 << 16, max_new_tokens=1 << 16,
@@ -125,7 +130,8 @@ async def running_router(redis_url: str, job_id: str, backends: Mapping[str, Rew
     """A router on its own task; cancelled and its bus closed on exit."""
     bus = RedisBus(redis_url, job_id, claim_idle_ms=2000)
     kwargs.setdefault("default_backend", next(iter(backends)))
-    router = RewardRouter(bus, backends, detokenize, limits=limits_under_test(), consumer="r0", block_ms=100,
+    router = RewardRouter(bus, backends, detokenize, limits=limits_under_test(), task_rewards=registered_rewards(),
+                          consumer="r0", block_ms=100,
                           metrics_every_s=0.0, **kwargs)
     await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
     runner = asyncio.create_task(router.run())

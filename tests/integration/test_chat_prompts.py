@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from chat_models import QWEN_TEMPLATE, bpe_model_dir
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.controller.controller import Controller
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.model.tokenizer import load_tokenizer
@@ -32,7 +33,7 @@ def test_the_controller_admits_prompts_as_the_job_formats_them(redis_url: str, t
     async def admitted() -> list[GroupEvent]:
         bus = RedisBus(redis_url, job)
         try:
-            controller = Controller(config, bus, setup_store(config.store, job, tmp_path), tmp_path)
+            controller = Controller(config, job_tasks(config), bus, setup_store(config.store, job, tmp_path), tmp_path)
             await controller._admit()
             return [decode(fields[b"e"]) for _, fields in await bus.redis.xrange(bus.key("groups:default"))]
         finally:

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.controller.controller import Controller
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.events import GroupEvent, decode
 from jetroll.shared.store import setup_store
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TASKS
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +25,8 @@ async def admitted_budgets(config: JobConfig, redis_url: str, run_dir: Path) -> 
     """One admission round of a real Controller: the max_new_tokens its groups carry, by task."""
     bus = RedisBus(redis_url, config.job_id)
     try:
-        controller = Controller(config, bus, setup_store(config.store, config.job_id, run_dir), run_dir)
+        store = setup_store(config.store, config.job_id, run_dir)
+        controller = Controller(config, job_tasks(config), bus, store, run_dir)
         await controller._admit()
         budgets: dict[str, set[int]] = {}
         for _, fields in await bus.redis.xrange(bus.key("groups:default")):
@@ -47,7 +49,7 @@ def test_controller_caps_each_tasks_budget(cap: int | None, redis_url: str, tmp_
         tree["rollout"] = {"max_new_tokens": cap}
     config = validate_config(tree)
     budgets = asyncio.run(admitted_budgets(config, redis_url, tmp_path))
-    own = {name: get_task(name).max_new_tokens for name in ("arithmetic", "count")}
+    own = {name: TASKS[name].max_new_tokens for name in ("arithmetic", "count")}
     assert own["arithmetic"] < 20 < own["count"]
     expected = own if cap is None else {name: min(budget, cap) for name, budget in own.items()}
     assert budgets == {name: {budget} for name, budget in expected.items()}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from service_harness import job_config, publish_version, scored_sample, stop, until
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.controller.controller import Controller
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import JobConfig
@@ -112,7 +113,7 @@ def test_trainer_acks_a_redelivered_copy_of_a_folded_group(model_dir: Path, redi
 
     async def scenario() -> tuple[dict[str, Outcome], dict[str, int], int, int]:
         bus = RedisBus(redis_url, job)
-        trainer = Trainer(config, bus, setup_store(config.store, job, tmp_path), "trainer")
+        trainer = Trainer(config, job_tasks(config), bus, setup_store(config.store, job, tmp_path), "trainer")
         task = asyncio.create_task(trainer.run())
         try:
             await bus.publish_many("traj:scored", [scored_sample(job, g, i, 0, [0, 0])
@@ -166,7 +167,7 @@ def test_a_restarted_controller_counts_drops_from_the_ledger(model_dir: Path, re
         await bus.redis.set(bus.key("num_admitted"), 12)
         earlier = {group_id(i): Outcome(1, "trained" if i <= 4 else "dropped:timeout", 2) for i in range(1, 8)}
         await Ledger(bus).record(earlier, keep_groups=0)
-        task = asyncio.create_task(Controller(config, bus, store, tmp_path).run())
+        task = asyncio.create_task(Controller(config, job_tasks(config), bus, store, tmp_path).run())
         try:
             async def num_admitted() -> int:
                 return int(await bus.redis.get(bus.key("num_admitted")))
@@ -197,7 +198,7 @@ def test_a_controller_counts_but_never_publishes_an_index_the_ledger_holds(model
         bus = RedisBus(redis_url, job)
         try:
             await Ledger(bus).record({group_id(i): Outcome(1, "trained", 2) for i in (2, 3)}, keep_groups=0)
-            controller = Controller(config, bus, setup_store(config.store, job, tmp_path), tmp_path)
+            controller = Controller(config, job_tasks(config), bus, setup_store(config.store, job, tmp_path), tmp_path)
             await controller._restore_admitted()
             await controller._admit()
             events = [decode(fields[b"e"]) for _, fields in await bus.redis.xrange(bus.key("groups:default"))]
@@ -225,7 +226,7 @@ def test_a_controller_hears_of_a_version_whose_weights_event_was_lost(model_dir:
         store = setup_store(config.store, job, tmp_path)
         await publish_versions(store, config, model_dir, 3)
         try:
-            return await asyncio.wait_for(Controller(config, bus, store, tmp_path).run(), timeout=60)
+            return await asyncio.wait_for(Controller(config, job_tasks(config), bus, store, tmp_path).run(), timeout=60)
         finally:
             await bus.close()
 

@@ -138,7 +138,7 @@ def test_worker_keeps_decoding_while_an_environment_hangs(
             precision_id=manifest.precision_id))
         await bus.ensure_group("groups:default", "rollout")
         await bus.ensure_group("traj:raw", "reward")
-        worker = asyncio.create_task(RolloutWorker(config, bus, store, "rollout-0").run())
+        worker = asyncio.create_task(RolloutWorker(config, config.build_tasks(), bus, store, "rollout-0").run())
         arrivals: list[tuple[float, TrajectoryEvent]] = []
         try:
             for group_id, prompt in (("g0000001", "hang1*2="), ("g0000002", "1*2=")):

@@ -48,7 +48,7 @@ def run_worker(config: JobConfig, redis_url: str, tmp_path: Path, publish: Any,
         bus = RedisBus(redis_url, config.job_id)
         store = setup_store(config.store, config.job_id, tmp_path)
         await publish(store)
-        worker = RolloutWorker(config, bus, store, "rollout-0")
+        worker = RolloutWorker(config, config.build_tasks(), bus, store, "rollout-0")
         task = asyncio.create_task(worker.run())
         try:
             if later is not None:

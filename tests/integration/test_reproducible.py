@@ -18,6 +18,7 @@ import pytest
 from job_harness import Job, launch, service_logs, stop
 from service_harness import TINY, build_model
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.controller.controller import Controller
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.protocol.bus import RedisBus
@@ -55,7 +56,8 @@ def test_a_restarted_controller_draws_the_same_problems(model_dir: Path, redis_u
                                   "trainer": {"groups_per_step": 4, "group_size": 2, "max_steps": 10},
                                   "store": {"root": str(tmp_path / job_id)}})
         bus = RedisBus(redis_url, job_id)
-        return Controller(config, bus, setup_store(config.store, job_id, tmp_path / job_id), tmp_path / job_id)
+        run_dir = tmp_path / job_id
+        return Controller(config, job_tasks(config), bus, setup_store(config.store, job_id, run_dir), run_dir)
 
     async def admit(job_id: str, seed: int, lives: list[list[int]]) -> None:
         """Controller lives one after another: each restores the admitted count from Redis, then admits once at each

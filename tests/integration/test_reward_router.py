@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from factories import trajectory
 from helpers import ended, wait_until_async
-from reward_harness import cancel, detokenize, limits_under_test, traj, wait_scored
+from reward_harness import cancel, detokenize, limits_under_test, registered_rewards, traj, wait_scored
 from service_harness import job_config
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.reward import main as reward_main
 from jetroll.services.reward.backends.local import LocalBackend
 from jetroll.services.reward.pool import RewardPool
@@ -61,7 +62,8 @@ async def route(
     job_id = job_id or events[0].job_id
     bus = RedisBus(redis_url, job_id)
     pool = RewardPool(num_workers=2, timeout_s=timeout_s, modules=("reward_test_fns",))
-    router = RewardRouter(bus, {"local": LocalBackend(pool)}, detokenize, limits=limits_under_test(), consumer="r0",
+    router = RewardRouter(bus, {"local": LocalBackend(pool)}, detokenize, limits=limits_under_test(),
+                          task_rewards=registered_rewards(), consumer="r0",
                           max_retries=1, block_ms=100,
                           metrics_every_s=0.0, forget_every_s=0.0)
     try:
@@ -185,7 +187,7 @@ def test_the_reward_service_scores_on_the_backend_its_config_names(backend: str,
 
     async def scenario() -> tuple[list[ScoredEvent], int]:
         bus = RedisBus(redis_url, config.job_id)
-        service = asyncio.create_task(reward_main.run(config, redis_url, str(model_dir), "r0"))
+        service = asyncio.create_task(reward_main.run(config, job_tasks(config), redis_url, str(model_dir), "r0"))
         try:
             await bus.ensure_group(TRAJ_RAW.name, TRAJ_RAW.group)
             await bus.publish_many(TRAJ_RAW.name, events)

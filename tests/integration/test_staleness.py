@@ -16,6 +16,7 @@ import torch
 from job_harness import hold_streams
 from service_harness import build_model, job_config, publish_version, scored_sample, stop, until
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.launch.local import Launcher
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.intake import GROUP, STREAM, Intake
@@ -68,7 +69,7 @@ def test_trainer_waits_for_a_slow_group_and_masks_what_is_beyond_eta_hard(
 
     async def scenario() -> tuple[dict[int, dict[str, float]], float, int]:
         bus = RedisBus(redis_url, job)
-        trainer = Trainer(config, bus, setup_store(config.store, job, tmp_path), "trainer")
+        trainer = Trainer(config, job_tasks(config), bus, setup_store(config.store, job, tmp_path), "trainer")
         task = asyncio.create_task(trainer.run())
         try:
             await bus.redis.zadd(bus.key(IN_FLIGHT), {"g1": 0, "g2": 0, "g3": 1, "g4": 1, "g5": 2, "g6": 2})
@@ -138,7 +139,7 @@ def test_a_slow_task_with_its_own_staleness_bound_neither_stalls_the_trainer_nor
 
     async def scenario() -> tuple[dict[int, dict[str, float]], int]:
         bus = RedisBus(redis_url, job)
-        trainer = Trainer(config, bus, setup_store(config.store, job, tmp_path), "trainer")
+        trainer = Trainer(config, job_tasks(config), bus, setup_store(config.store, job, tmp_path), "trainer")
         task = asyncio.create_task(trainer.run())
         arithmetic: asyncio.Task[None] | None = None
         try:
@@ -273,7 +274,7 @@ def test_interrupted_sequence_carries_both_versions_and_new_logprobs(
         await publish(store, bus, 0, model_dir)
         await bus.ensure_group("groups:default", "rollout")
         await bus.ensure_group("traj:raw", "reward")  # the reward router's group, for the worker's backpressure
-        worker = asyncio.create_task(RolloutWorker(config, bus, store, "rollout-0").run())
+        worker = asyncio.create_task(RolloutWorker(config, config.build_tasks(), bus, store, "rollout-0").run())
         try:
             prompt = "12*34="
             await bus.publish("groups:default", GroupEvent(
@@ -335,7 +336,8 @@ def test_a_group_in_the_commit_running_in_the_background_is_not_waited_for(model
 
     async def scenario() -> tuple[list[str], list[str], float]:
         bus = RedisBus(redis_url, job)
-        intake = Intake(config, bus, "trainer", Ledger(bus), EventLimits.of(config, 64), lambda: version)
+        limits = EventLimits.of(config, config.build_tasks(), 64)
+        intake = Intake(config, bus, "trainer", Ledger(bus), limits, lambda: version)
         try:
             await bus.ensure_group(STREAM, GROUP)
             await bus.redis.zadd(bus.key(IN_FLIGHT), {"g1": 0, "g2": 1})

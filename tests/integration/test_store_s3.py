@@ -194,7 +194,9 @@ def test_corrupt_shard_refused_and_worker_keeps_old_version(
     weights_cache = store.cache_dir / "weights"
     assert [p.name for p in weights_cache.iterdir()] == []  # nothing half-downloaded is left, nothing renamed in
 
-    worker = RolloutWorker(load_config(SMOKE), bus=None, store=store, consumer="rollout-0")  # type: ignore[arg-type]
+    config = load_config(SMOKE)
+    worker = RolloutWorker(config, config.build_tasks(), bus=None, store=store,  # type: ignore[arg-type]
+                           consumer="rollout-0")
     worker.engine, worker.plan = SimpleNamespace(version=1), PLAN  # type: ignore[assignment]
     with caplog.at_level(logging.ERROR, logger="jetroll.rollout"):
         asyncio.run(worker._load(2))
@@ -213,7 +215,7 @@ def test_worker_polls_latest_without_a_weights_event(s3_url: str, bucket: str, t
 
     async def main() -> int | None:
         bus = RedisBus(redis_url, config.job_id)
-        worker = RolloutWorker(config, bus, store, "rollout-0")
+        worker = RolloutWorker(config, config.build_tasks(), bus, store, "rollout-0")
         worker.engine, worker.plan = SimpleNamespace(version=1), PLAN  # type: ignore[assignment]
         watcher = asyncio.create_task(worker._watch_weights())
         try:

@@ -16,6 +16,7 @@ from jetroll.bench.trl_grpo import job_problems
 from jetroll.shared.config.job import load_config
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.tokenizer import load_tokenizer
+from jetroll.shared.tasks.registry import TASKS
 
 pytestmark = pytest.mark.integration
 trl_agentic = pytest.importorskip("jetroll.bench.trl_agentic", reason="the TRL arm needs the `peers` extra",
@@ -29,8 +30,9 @@ def rollout_of(model_path: str, tmp_path: Path, *overrides: str) -> tuple[Any, d
 
     config = load_config(REPO / "configs" / "calculator_smoke.yaml", [f"model.path={model_path}", *overrides])
     tokenizer = load_tokenizer(model_path)
-    drawn = job_problems(config, 2)
-    rollout = trl_agentic.AgenticRollout(config, tokenizer, drawn, PromptFormat.of(config.model, tokenizer),
+    tasks = config.build_tasks()
+    drawn = job_problems(config, tasks, 2)
+    rollout = trl_agentic.AgenticRollout(config, tasks, tokenizer, drawn, PromptFormat.of(config.model, tokenizer),
                                          tmp_path / "rollouts.jsonl")
     model = AutoModelForCausalLM.from_pretrained(model_path)
     trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model, num_generations=4)
@@ -43,10 +45,9 @@ def rollout_of(model_path: str, tmp_path: Path, *overrides: str) -> tuple[Any, d
 def test_trl_rollout_plays_episodes_by_the_jobs_turn_protocol(calculator_model_path: str, tmp_path: Path) -> None:
     """Every sampled token is in the loss and every observation token out of it; an observation follows only a turn
     that ended with the turn end; an episode stays in its budget (the task's, and the context's)."""
-    from jetroll.shared.tasks.registry import get_task
 
     config, output, log = rollout_of(calculator_model_path, tmp_path)
-    task = get_task("calculator")
+    task = TASKS["calculator"]
     turn_end = load_tokenizer(calculator_model_path).encode(task.turn_end)[0]
     assert len(output["completion_ids"]) == 8 and output["env_status"] == ["ok"] * 8
     num_observations = 0

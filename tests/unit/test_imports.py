@@ -132,6 +132,18 @@ def test_the_algorithm_room_loads_without_redis() -> None:
     assert int(num_modules) >= 5 and (has_redis, has_bus) == ("False", "False"), run.stdout
 
 
+def test_the_layers_point_down() -> None:
+    """`functions/` (the rewards) imports `shared/` (a gymnasium reward replays its task), so `shared/` never imports
+    `functions/`: a job's entry hands the rewards in (functions/scoring.py). Nor does either import a service or a
+    bench."""
+    above = {"jetroll.shared": ("jetroll.functions", "jetroll.services", "jetroll.bench"),
+             "jetroll.functions": ("jetroll.services", "jetroll.bench")}
+    upward = sorted((module, name) for module, names in import_graph().items() for name in names
+                    for layer, higher in above.items()
+                    if module.startswith(f"{layer}.") and name.startswith(higher))
+    assert upward == []
+
+
 def test_no_service_imports_another() -> None:
     """The five services meet only through the protocol: what two of them share lives in `shared/`."""
     services = ("controller", "rollout", "reward", "trainer", "env")

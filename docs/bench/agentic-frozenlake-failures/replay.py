@@ -12,13 +12,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from jetroll.functions.runner import get_reward
+from jetroll.functions.runner import REWARDS
 from jetroll.shared.config.job import load_config
 from jetroll.shared.engine.evaluate import greedy_completions
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.tasks.gym_text import GymProblem
-from jetroll.shared.tasks.registry import get_task
 
 MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
 
@@ -37,12 +36,12 @@ def outcome(transcript: str, options: str) -> str:
 
 def main(run_dir: Path, weights: Path) -> None:
     config = load_config(run_dir / "config.json", [])
-    task = get_task("frozenlake")
+    task = config.build_tasks()["frozenlake"]
     problems = task.heldout(200)
     model, tokenizer = load_pretrained(weights, config.precision.numerics())
     transcripts = greedy_completions(model, tokenizer, problems, task.max_new_tokens, task=task,
                                      prompts=PromptFormat.of(config.model, tokenizer))
-    reward = get_reward(task.reward)
+    reward = REWARDS[task.reward]
     counts = Counter()
     for problem, transcript in zip(problems, transcripts, strict=True):
         options = GymProblem.parse(problem.answer).options

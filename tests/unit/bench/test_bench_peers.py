@@ -16,6 +16,7 @@ from jetroll.bench.trl_grpo import completion_text, job_problems, trl_prompt_ids
 from jetroll.shared.config.job import load_config  # noqa: E402
 from jetroll.shared.model.chat import PromptFormat  # noqa: E402
 from jetroll.shared.model.tokenizer import load_tokenizer  # noqa: E402
+from jetroll.shared.tasks.registry import TASKS
 
 REPO = Path(__file__).resolve().parents[3]
 BPE = REPO / "configs" / "models" / "bpe-math"
@@ -33,7 +34,7 @@ def test_trl_prompts_are_jetroll_ids(overrides: list[str]) -> None:
     config = load_config(REPO / "configs" / "dataset_math.yaml", overrides)
     prompt_format = PromptFormat.of(config.model, load_tokenizer(BPE))
     tokenizer = hf_tokenizer(BPE)
-    drawn = job_problems(config, 24)
+    drawn = job_problems(config, config.build_tasks(), 24)
     assert len({problem.prompt for _, problem in drawn}) > 1 and {task for task, _ in drawn} == {"math_word"}
     for _, problem in drawn:
         prompt = problem.prompt if prompt_format.template is None else prompt_format.messages(problem)
@@ -46,9 +47,9 @@ def test_trl_prompts_are_jetroll_ids(overrides: list[str]) -> None:
 
 def test_job_problems_follow_the_admission_draws() -> None:
     config = load_config(REPO / "configs" / "arithmetic.yaml", [])
-    first, again = job_problems(config, 40), job_problems(config, 40)
+    first, again = job_problems(config, config.build_tasks(), 40), job_problems(config, config.build_tasks(), 40)
     assert [p.prompt for _, p in first] == [p.prompt for _, p in again]
-    other_seed = job_problems(load_config(REPO / "configs" / "arithmetic.yaml", ["seed=1"]), 40)
+    other_seed = job_problems(load_config(REPO / "configs" / "arithmetic.yaml", ["seed=1"]), TASKS, 40)
     assert [p.prompt for _, p in first] != [p.prompt for _, p in other_seed]
 
 

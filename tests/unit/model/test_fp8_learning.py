@@ -14,6 +14,7 @@ from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.numerics import Numerics
+from jetroll.shared.tasks.registry import TaskSet
 from jetroll.shared.warm_start import IGNORE_INDEX, sft_batch, sft_lr
 
 STEPS, BATCH, LR = 200, 32, 3e-3
@@ -27,7 +28,7 @@ def train(precision: Numerics) -> tuple[float, float]:
     model = CausalLM(model_args(TINY, tokenizer), precision)
     init_weights(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98))
-    heldout = sft_batch(tokenizer, ["arithmetic"], 256, random.Random(12345))
+    heldout = sft_batch(tokenizer, TaskSet(), ["arithmetic"], 256, random.Random(12345))
 
     def heldout_loss() -> float:
         with torch.no_grad():
@@ -37,7 +38,7 @@ def train(precision: Numerics) -> tuple[float, float]:
     before = heldout_loss()
     rng = random.Random(0)
     for step in range(STEPS):
-        inputs, targets = sft_batch(tokenizer, ["arithmetic"], BATCH, rng)
+        inputs, targets = sft_batch(tokenizer, TaskSet(), ["arithmetic"], BATCH, rng)
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
         for group in optimizer.param_groups:
             group["lr"] = sft_lr(step, STEPS, LR)

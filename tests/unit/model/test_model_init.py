@@ -15,6 +15,7 @@ from jetroll.shared.config.job import validate_config
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.model.checkpoint import load_pretrained, read_weights
 from jetroll.shared.model.tokenizer import build_char_tokenizer
+from jetroll.shared.tasks.registry import TaskSet
 from jetroll.shared.warm_start import ensure_base_model
 
 TOKENIZER = build_char_tokenizer()
@@ -46,7 +47,7 @@ def test_init_and_path_must_agree(fields: dict[str, str], message: str) -> None:
 def test_random_init_builds_the_configs_architecture_once_per_seed(tmp_path: Path) -> None:
     source = config_dir(tmp_path / "qwen3")
     config = ModelConfig(init="random", path=str(source), cache_dir=str(tmp_path / "cache"))
-    built = ensure_base_model(config)
+    built = ensure_base_model(config, TaskSet())
     model, tokenizer = load_pretrained(built)
     assert (model.args.model_type, model.args.head_dim, model.args.num_layers, model.args.vocab_size) == \
         ("qwen3", 24, 2, 96)
@@ -56,25 +57,27 @@ def test_random_init_builds_the_configs_architecture_once_per_seed(tmp_path: Pat
     std = model.model.layers[0].mlp.down_proj.weight.std().item()
     assert 0.015 < std < 0.025  # HF-style N(0, 0.02), not an untouched torch default
     made = (built / "model.safetensors").stat().st_mtime_ns
-    assert ensure_base_model(config) == built and (built / "model.safetensors").stat().st_mtime_ns == made
+    assert ensure_base_model(config, TaskSet()) == built and (built / "model.safetensors").stat().st_mtime_ns == made
 
-    elsewhere = ensure_base_model(config.model_copy(update={"cache_dir": str(tmp_path / "other")}))
+    elsewhere = ensure_base_model(config.model_copy(update={"cache_dir": str(tmp_path / "other")}), TaskSet())
     assert elsewhere.name == built.name  # the cache key is what the build reads, not where it lives
     first, again = read_weights(built), read_weights(elsewhere)
     assert all(torch.equal(first[k], again[k]) for k in first)
-    reseeded = ensure_base_model(config.model_copy(update={"init_seed": 1}))
+    reseeded = ensure_base_model(config.model_copy(update={"init_seed": 1}), TaskSet())
     assert reseeded != built
     assert not torch.equal(read_weights(reseeded)["lm_head.weight"], first["lm_head.weight"])
     config_dir(source, num_hidden_layers=3)
-    assert ensure_base_model(config) != built  # another config.json, another model
+    assert ensure_base_model(config, TaskSet()) != built  # another config.json, another model
 
 
 def test_random_init_refuses_what_a_checkpoint_would(tmp_path: Path) -> None:
     source = config_dir(tmp_path / "odd", sliding_window=16, use_sliding_window=True)
     with pytest.raises(ValueError, match="config.json: .*sliding"):
-        ensure_base_model(ModelConfig(init="random", path=str(source), cache_dir=str(tmp_path / "cache")))
+        ensure_base_model(ModelConfig(init="random", path=str(source), cache_dir=str(tmp_path / "cache")),
+                          TaskSet())
     with pytest.raises(FileNotFoundError, match="needs config.json"):
-        ensure_base_model(ModelConfig(init="random", path=str(tmp_path / "none"), cache_dir=str(tmp_path / "c")))
+        ensure_base_model(ModelConfig(init="random", path=str(tmp_path / "none"), cache_dir=str(tmp_path / "c")),
+                          TaskSet())
     assert not list((tmp_path / "cache").glob("random-*"))  # nothing half-built is left to be found later
 
 

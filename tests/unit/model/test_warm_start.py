@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jetroll.functions.runner import get_reward
+from jetroll.functions.runner import REWARDS
 from jetroll.shared import warm_start
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.engine.engine import Engine
@@ -20,8 +20,11 @@ from jetroll.shared.engine.request import Request
 from jetroll.shared.errors import WarmStartError
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import CHARSET, SPECIAL_TOKENS, build_char_tokenizer
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.base import Task
+from jetroll.shared.tasks.registry import TASKS, TaskSet
 from jetroll.shared.warm_start import build_base_model, config_hash, ensure_base_model
+
+BUILTIN = TaskSet(rewards=REWARDS)  # the built-in tasks, with the rewards that score a warm start's probes
 
 
 def tiny_config(cache_dir: Path | str = "~/.cache/jetroll", seed: int = 0) -> ModelConfig:
@@ -39,7 +42,7 @@ def tiny_config(cache_dir: Path | str = "~/.cache/jetroll", seed: int = 0) -> Mo
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out_dir = tmp_path_factory.mktemp("base")
-    info = build_base_model(tiny_config(), out_dir, progress=False)
+    info = build_base_model(tiny_config(), BUILTIN, out_dir, progress=False)
     return out_dir, info
 
 
@@ -104,20 +107,20 @@ def test_the_char_tokenizer_keeps_its_ids_and_refuses_what_it_lacks() -> None:
 
 def test_same_seed_bitwise_identical(built: tuple[Path, dict], tmp_path: Path) -> None:
     out_dir, _ = built
-    build_base_model(tiny_config(), tmp_path / "again", progress=False)
+    build_base_model(tiny_config(), BUILTIN, tmp_path / "again", progress=False)
     first, again = load_file(str(out_dir / "model.safetensors")), load_file(str(tmp_path / "again/model.safetensors"))
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
 
-    build_base_model(tiny_config(seed=1), tmp_path / "other", progress=False)
+    build_base_model(tiny_config(seed=1), BUILTIN, tmp_path / "other", progress=False)
     other = load_file(str(tmp_path / "other/model.safetensors"))
     assert not all(torch.equal(first[k], other[k]) for k in first)
 
 
 def test_ensure_base_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tiny_config(cache_dir=tmp_path / "cache")
-    path = ensure_base_model(config, progress=False)
-    assert path == tmp_path / "cache" / f"base-{config_hash(config)}"
+    path = ensure_base_model(config, BUILTIN, progress=False)
+    assert path == tmp_path / "cache" / f"base-{config_hash(config, BUILTIN)}"
     assert (path / "config.json").is_file() and (path / "warmstart.json").is_file()
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no temp dirs left behind
 
@@ -125,34 +128,34 @@ def test_ensure_base_model_builds_once(tmp_path: Path, monkeypatch: pytest.Monke
         raise AssertionError("rebuilt a cached model")
 
     monkeypatch.setattr(warm_start, "build_base_model", fail)
-    assert ensure_base_model(config, progress=False) == path
+    assert ensure_base_model(config, BUILTIN, progress=False) == path
     # the cache key ignores where the cache lives and what path says, but not the weights' recipe
-    assert config_hash(config) == config_hash(tiny_config(cache_dir=tmp_path / "elsewhere"))
-    assert config_hash(config) != config_hash(tiny_config(seed=1))
+    assert config_hash(config, BUILTIN) == config_hash(tiny_config(cache_dir=tmp_path / "elsewhere"), BUILTIN)
+    assert config_hash(config, BUILTIN) != config_hash(tiny_config(seed=1), BUILTIN)
 
 
 def test_ensure_base_model_explicit_path(built: tuple[Path, dict], tmp_path: Path) -> None:
     out_dir, _ = built
-    assert ensure_base_model(ModelConfig(path=str(out_dir))) == out_dir
+    assert ensure_base_model(ModelConfig(path=str(out_dir)), BUILTIN) == out_dir
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ensure_base_model(ModelConfig(path=str(tmp_path)))
+        ensure_base_model(ModelConfig(path=str(tmp_path)), BUILTIN)
 
 
 def test_evaluate_matches_manual_count(built: tuple[Path, dict]) -> None:
     out_dir, _ = built
     model, tokenizer = load_pretrained(out_dir)
-    accuracy = evaluate(model, tokenizer, ["arithmetic"], num_problems=50, max_batch=16)
+    accuracy = evaluate(model, tokenizer, BUILTIN, ["arithmetic"], num_problems=50, max_batch=16)
     assert set(accuracy) == {"arithmetic"} and 0.0 <= accuracy["arithmetic"] <= 1.0
-    assert evaluate(model, tokenizer, ["arithmetic"], num_problems=50, max_batch=7) == accuracy  # deterministic
+    assert evaluate(model, tokenizer, BUILTIN, ["arithmetic"], num_problems=50, max_batch=7) == accuracy  # repeats
 
-    task = get_task("arithmetic")
+    task = TASKS["arithmetic"]
     problems = task.heldout(50)
     requests = [
         Request(str(i), tokenizer.encode(p.prompt), task.max_new_tokens, temperature=0.0)
         for i, p in enumerate(problems)
     ]
     Engine(model, tokenizer.eos_id, max_batch=len(requests), max_len=64).generate(requests)
-    reward_fn = get_reward(task.reward)
+    reward_fn = REWARDS[task.reward]
     num_correct = sum(
         reward_fn(tokenizer.decode(r.output_ids), p.answer).correct for r, p in zip(requests, problems, strict=True)
     )
@@ -165,8 +168,8 @@ def test_a_second_stage_starts_from_the_first_stages_cached_model(tmp_path: Path
     staged = first.model_copy(update={"warm_start": WarmStartConfig(
         max_steps=0, target_band=None, probe_problems=50, batch_size=8, seed=1, tasks=["arithmetic", "count32"],
         init_from=first.warm_start)})
-    path = ensure_base_model(staged, progress=False)
-    first_path = tmp_path / "cache" / f"base-{config_hash(first)}"
+    path = ensure_base_model(staged, BUILTIN, progress=False)
+    first_path = tmp_path / "cache" / f"base-{config_hash(first, BUILTIN)}"
     assert first_path.is_dir() and path != first_path
     # zero further steps: the second stage's weights are exactly the first's
     ours, theirs = load_file(str(path / "model.safetensors")), load_file(str(first_path / "model.safetensors"))
@@ -178,7 +181,7 @@ def test_a_second_stage_starts_from_the_first_stages_cached_model(tmp_path: Path
 def test_cache_key_covers_the_band_and_the_cap(field: dict) -> None:
     config = tiny_config()
     changed = config.model_copy(update={"warm_start": config.warm_start.model_copy(update=field)})
-    assert config_hash(changed) != config_hash(config)
+    assert config_hash(changed, BUILTIN) != config_hash(config, BUILTIN)
 
 
 def _scripted_probe(monkeypatch: pytest.MonkeyPatch, accuracy_at: Callable[[int], float]) -> list[int]:
@@ -202,7 +205,7 @@ def banded(max_steps: int, band: tuple[float, float], eval_every: int) -> ModelC
 
 def test_stops_at_the_first_probe_evaluation_in_the_band(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     asked = _scripted_probe(monkeypatch, lambda step: step / 100)
-    info = build_base_model(banded(100, (0.35, 0.5), eval_every=10), tmp_path, progress=False)
+    info = build_base_model(banded(100, (0.35, 0.5), eval_every=10), BUILTIN, tmp_path, progress=False)
     assert asked == [10, 20, 30, 40]
     assert info["steps"] == 40 and info["stopped"] == "in_band"
     assert info["probe_history"] == [[10, 0.1], [20, 0.2], [30, 0.3], [40, 0.4]]
@@ -218,13 +221,13 @@ def test_a_jump_past_the_band_rolls_back_and_replays_the_same_steps(
         return 0.1 if step < 33 else 0.45 if step < 36 else 0.9
 
     asked = _scripted_probe(monkeypatch, accuracy_at)
-    info = build_base_model(banded(100, (0.4, 0.5), eval_every=10), tmp_path / "rolled", progress=False)
+    info = build_base_model(banded(100, (0.4, 0.5), eval_every=10), BUILTIN, tmp_path / "rolled", progress=False)
     assert asked == [10, 20, 30, 40, 31, 32, 33]
     assert info["steps"] == 33 and info["stopped"] == "in_band_after_rollback"
     assert info["loss"]["curve"][-1][0] <= 32  # the discarded steps' losses are gone with them
 
     _scripted_probe(monkeypatch, accuracy_at)
-    straight = build_base_model(banded(100, (0.4, 0.5), eval_every=1), tmp_path / "straight", progress=False)
+    straight = build_base_model(banded(100, (0.4, 0.5), eval_every=1), BUILTIN, tmp_path / "straight", progress=False)
     assert straight["steps"] == 33 and straight["stopped"] == "in_band"
     rolled, direct = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("rolled", "straight"))
     assert all(torch.equal(rolled[k], direct[k]) for k in direct)
@@ -240,14 +243,14 @@ def test_a_band_it_cannot_land_in_fails_the_build_and_caches_nothing(
     _scripted_probe(monkeypatch, accuracy_at)
     config = banded(60, (0.4, 0.5), eval_every=10).model_copy(update={"cache_dir": str(tmp_path)})
     with pytest.raises(WarmStartError, match=message):
-        ensure_base_model(config, progress=False)
+        ensure_base_model(config, BUILTIN, progress=False)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_init_model_prints_the_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     _scripted_probe(monkeypatch, lambda step: step / 100)
-    warm_start.main(banded(100, (0.35, 0.5), eval_every=10).model_copy(update={"cache_dir": str(tmp_path)}))
+    warm_start.main(banded(100, (0.35, 0.5), eval_every=10).model_copy(update={"cache_dir": str(tmp_path)}), BUILTIN)
     out = capsys.readouterr().out
     assert "warm start: 40 of at most 100 steps (stopped in target_band [35%, 50%])" in out
 
@@ -262,24 +265,25 @@ def test_task_weights_set_each_tasks_share_of_the_sft_rows_and_leave_uniform_bas
         monkeypatch: pytest.MonkeyPatch) -> None:
     drawn: list[str] = []
 
-    def recorded(name: str) -> object:
-        drawn.append(name)
-        return get_task(name)
+    class Recorded(TaskSet):
+        def __getitem__(self, name: str) -> Task:
+            drawn.append(name)
+            return super().__getitem__(name)
 
-    monkeypatch.setattr(warm_start, "get_task", recorded)
     tokenizer = build_char_tokenizer()
-    warm_start.sft_batch(tokenizer, ["arithmetic", "count"], 400, random.Random(0), task_weights={"count": 0.25})
+    warm_start.sft_batch(tokenizer, Recorded(), ["arithmetic", "count"], 400, random.Random(0),
+                         task_weights={"count": 0.25})
     assert 50 <= drawn.count("count") <= 110  # 80 expected (1 in 5)
     drawn.clear()
     uniform = [random.Random(1).choice(["arithmetic", "count"])]
-    warm_start.sft_batch(tokenizer, ["arithmetic", "count"], 1, random.Random(1))
+    warm_start.sft_batch(tokenizer, Recorded(), ["arithmetic", "count"], 1, random.Random(1))
     assert drawn == uniform  # no weights: the same draws as before the field existed
     config = tiny_config()
     weighted = config.model_copy(update={"warm_start": config.warm_start.model_copy(
         update={"tasks": ["arithmetic", "count"], "task_weights": {"count": 0.25}})})
     uniform_config = weighted.model_copy(update={"warm_start": weighted.warm_start.model_copy(
         update={"task_weights": {}})})
-    assert config_hash(weighted) != config_hash(uniform_config)
+    assert config_hash(weighted, BUILTIN) != config_hash(uniform_config, BUILTIN)
     with pytest.raises(ValueError, match="task_weights: each must be > 0 and name one of tasks"):
         WarmStartConfig(tasks=["arithmetic"], task_weights={"count": 1.0})
     with pytest.raises(ValueError, match="task_weights: each must be > 0"):

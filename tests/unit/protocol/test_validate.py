@@ -28,6 +28,7 @@ from jetroll.shared.protocol.validate import (
     check_weights,
     expecting,
 )
+from jetroll.shared.tasks.registry import TaskSet
 
 LIMITS = EventLimits(vocab_rows=40, group_size=4, max_seq_len=16, max_new_tokens=8, max_version=10,
                      tasks=frozenset({"arithmetic"}), pools=frozenset({"default"}))
@@ -177,9 +178,9 @@ def test_dead_letters_count_by_stream_and_kind_of_reason() -> None:
 
 
 def test_limits_follow_the_config_and_the_timing_engine_draws_past_the_window() -> None:
-    real = EventLimits.of(validate_config({"job_id": "j", "rollout": {"max_seq_len": 48}}), 40)
+    real = EventLimits.of(validate_config({"job_id": "j", "rollout": {"max_seq_len": 48}}), TaskSet(), 40)
     assert (real.max_seq_len, real.group_size, real.tasks, real.pools) == (48, 8, {"arithmetic"}, {"default"})
     assert real.max_new_tokens == 8  # the arithmetic task's budget
     timing = validate_config({"job_id": "j", "rollout": {"engine": "timing", "max_seq_len": 48,
                                                          "timing": {"max_tokens": 4096}}})
-    assert EventLimits.of(timing, 40).max_seq_len == 48 + 4096
+    assert EventLimits.of(timing, TaskSet(), 40).max_seq_len == 48 + 4096

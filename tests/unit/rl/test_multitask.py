@@ -21,6 +21,7 @@ from jetroll.shared.rl.admission import (
     task_quotas,
 )
 from jetroll.shared.rl.batch import GroupBuffer
+from jetroll.shared.tasks.registry import TASKS
 
 MIX = ["tasks=[{name: arithmetic, weight: 3}, {name: count, weight: 1}]", "trainer.groups_per_step=4"]
 
@@ -97,14 +98,16 @@ def test_admission_skips_a_task_at_its_cap() -> None:
 
 def test_routing_by_task_then_profile_then_first_pool() -> None:
     tokenizer = build_char_tokenizer()
-    assert task_profile("count", tokenizer) == "decode_heavy"
-    assert task_profile("arithmetic", tokenizer) == "prefill_heavy"
+    assert task_profile(TASKS["count"], tokenizer) == "decode_heavy"
+    assert task_profile(TASKS["arithmetic"], tokenizer) == "prefill_heavy"
     config = load_config(None, ["tasks=[{name: arithmetic}, {name: count}]",
                                 "rollout.pools=[{name: short}, {name: long, profile: decode_heavy}]"])
-    assert route_tasks(config.rollout, ["arithmetic", "count"], tokenizer) == {"arithmetic": "short", "count": "long"}
+    routes = route_tasks(config.rollout, TASKS, ["arithmetic", "count"], tokenizer)
+    assert routes == {"arithmetic": "short", "count": "long"}
     explicit = load_config(None, ["tasks=[{name: arithmetic}, {name: count}]",
                                   "rollout.pools=[{name: p1, profile: decode_heavy}, {name: p2, tasks: [count]}]"])
-    assert route_tasks(explicit.rollout, ["arithmetic", "count"], tokenizer) == {"arithmetic": "p1", "count": "p2"}
+    routes = route_tasks(explicit.rollout, TASKS, ["arithmetic", "count"], tokenizer)
+    assert routes == {"arithmetic": "p1", "count": "p2"}
 
 
 @pytest.mark.parametrize(("pools", "needle"), [

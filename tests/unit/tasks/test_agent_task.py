@@ -15,7 +15,7 @@ from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.chat import render_chat
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.tasks.agent import EnvAgent
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TASKS
 from jetroll.shared.warm_start import IGNORE_INDEX, demonstration_ids, sft_batch
 
 REPO = Path(__file__).resolve().parents[3]
@@ -45,8 +45,8 @@ def test_the_config_refuses_an_agent_it_cannot_run() -> None:
 
 
 def test_a_demonstration_is_the_gateways_tokens_with_only_the_assistants_trained() -> None:
-    validate_config(agent_job())
-    task = get_task("calc_agent")
+    tasks = validate_config(agent_job()).build_tasks()
+    task = tasks["calc_agent"]
     problem = task.sft_sample(random.Random(0))
     prompt, completion, trained = demonstration_ids(task, problem, TOKENIZER)
     tools = task.tools
@@ -61,7 +61,7 @@ def test_a_demonstration_is_the_gateways_tokens_with_only_the_assistants_trained
     assert TOKENIZER.backend.decode(sampled, skip_special_tokens=False) == (
         f'<tool_call>{{"name": "calculator", "arguments": {messages[1]["tool_calls"][0]["function"]["arguments"]}}}'
         f'</tool_call><|im_end|>{messages[3]["content"]}<|im_end|>')
-    inputs, targets = sft_batch(TOKENIZER, ["calc_agent"], 4, random.Random(0))
+    inputs, targets = sft_batch(TOKENIZER, tasks, ["calc_agent"], 4, random.Random(0))
     assert ((targets != IGNORE_INDEX).sum(1) > 20).all() and (targets == TOKENIZER.eos_id).sum() == 8  # 2 turns each
 
 
@@ -78,7 +78,7 @@ def test_an_environment_without_an_agent_is_an_agent_task_played_by_the_stock_lo
     config = validate_config({"model": {"tokenizer": BPE_AGENT, "chat_template": True},
                               "tasks": [{"kind": "agent", "name": "calc_chat", "environment": "calculator",
                                          "max_turns": 3}]})
-    task, calculator = get_task("calc_chat"), get_task("calculator")
+    task, calculator = config.build_tasks()["calc_chat"], TASKS["calculator"]
     assert isinstance(task.agent, EnvAgent) and task.agent.max_turns == 3 and task.reward == "env"
     rng = random.Random(1)
     assert task.sample(rng, 1) == calculator.sample(random.Random(1), 1)  # the environment's own problems

@@ -10,7 +10,7 @@ import pytest
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.calculator import CalculatorEnv
 from jetroll.shared.tasks.env import Environment, EnvStep, call_env, is_multi_turn
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TASKS
 
 
 class Flaky:
@@ -69,6 +69,6 @@ def test_calculator_env_answers_calls_then_takes_the_final_answer() -> None:
 
 
 def test_calculator_is_a_registered_multi_turn_task() -> None:
-    task = get_task("calculator")
-    assert is_multi_turn(task) and not is_multi_turn(get_task("arithmetic"))
+    task = TASKS["calculator"]
+    assert is_multi_turn(task) and not is_multi_turn(TASKS["arithmetic"])
     assert isinstance(task.make_env(), CalculatorEnv) and task.make_env() is not task.make_env()

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from jetroll.functions.builtin import gymnasium_reward
-from jetroll.shared.config.gym import GymTaskConfig, gym_task
+from jetroll.functions.scoring import job_tasks
+from jetroll.shared.config.gym import GymTaskConfig
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.tasks.env import EnvStep, is_multi_turn
 from jetroll.shared.tasks.gym_text import GymProblem, GymTask
-from jetroll.shared.tasks.registry import get_task
 from jetroll.shared.warm_start import config_hash
 
 pytest.importorskip("gymnasium", reason="kind: gymnasium needs the gym extra")
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def frozenlake(**fields: object) -> GymTask:
-    return gym_task(GymTaskConfig.model_validate({"kind": "gymnasium", "name": "frozenlake", **fields}))
+    return GymTaskConfig.model_validate({"kind": "gymnasium", "name": "frozenlake", **fields}).build(0, {})
 
 
 def run_episode(task: GymTask, problem_answer: str, turns: list[str]) -> list[EnvStep]:
@@ -104,14 +104,14 @@ def test_an_episode_that_runs_out_of_turns_ends_unsolved() -> None:
     assert gymnasium_reward("down\nat 1 0\n", answer).correct is False  # cut off: never ended
 
 
-def test_a_job_config_registers_the_task_and_refuses_what_it_cannot_run() -> None:
+def test_a_job_config_builds_the_task_and_refuses_what_it_cannot_run() -> None:
     config = validate_config({"tasks": [{"kind": "gymnasium", "name": "lake", "options": {"size": 6}}]})
-    task = get_task("lake")
+    task = config.build_tasks()["lake"]
     assert isinstance(task, GymTask) and task.adapter.size == 6 and config.tasks[0].name == "lake"
     with pytest.raises(Exception, match="no text adapter for gymnasium env 'CartPole-v1'"):
         validate_config({"tasks": [{"kind": "gymnasium", "name": "pole", "env_id": "CartPole-v1"}]})
     with pytest.raises(ConfigError, match="reward 'gymnasium' replays the task through jetroll.shared"):
-        validate_config({"tasks": [{"kind": "gymnasium", "name": "lake"}], "reward": {"backend": "lambda"}})
+        job_tasks(validate_config({"tasks": [{"kind": "gymnasium", "name": "lake"}], "reward": {"backend": "lambda"}}))
     with pytest.raises(Exception, match="unexpected keyword argument 'holes'"):
         validate_config({"tasks": [{"kind": "gymnasium", "name": "lake", "options": {"holes": 3}}]})
 
@@ -120,7 +120,7 @@ def test_the_base_a_warm_start_builds_follows_the_environments_options() -> None
     def base_key(options: dict[str, object]) -> str:
         config = validate_config({"model": {"warm_start": {"tasks": ["lake"]}},
                                   "tasks": [{"kind": "gymnasium", "name": "lake", "options": options}]})
-        return config_hash(config.model)
+        return config_hash(config.model, config.build_tasks())
 
     assert base_key({}) == base_key({"size": 4})
     assert base_key({}) != base_key({"size": 6})  # bigger maps are another base, never the cached 4x4 one
@@ -139,9 +139,10 @@ def test_your_own_environment_and_adapter_by_import_path(monkeypatch: pytest.Mon
     """examples/guess_number.py, as the README's "Your own environment" runs it: gymnasium imports the module that
     registers the env, the adapter comes from its import path, and the reward replays the episode through both."""
     monkeypatch.syspath_prepend(str(REPO))
-    validate_config({"tasks": [{"kind": "gymnasium", "name": "guess", "env_id": "examples.guess_number:GuessNumber-v0",
-                                "adapter": "examples.guess_number:GuessText", "max_turns": 10}]})
-    task = get_task("guess")
+    config = validate_config({"tasks": [{"kind": "gymnasium", "name": "guess", "max_turns": 10,
+                                         "env_id": "examples.guess_number:GuessNumber-v0",
+                                         "adapter": "examples.guess_number:GuessText"}]})
+    task = config.build_tasks()["guess"]
     assert isinstance(task, GymTask) and type(task.adapter).__name__ == "GuessText"
     problem = task.heldout(1)[0]
     secret = GymProblem.parse(problem.answer).options

@@ -15,7 +15,6 @@ from jetroll.shared.config.job import validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.tasks.reasoning import EntryRef, ReasoningGymTask
-from jetroll.shared.tasks.registry import get_task
 from jetroll.shared.warm_start import config_hash
 
 pytest.importorskip("reasoning_gym", reason="kind: reasoning_gym needs the reasoning extra")
@@ -24,9 +23,9 @@ BPE = str(REPO / "configs" / "models" / "bpe-math")
 
 
 def task(name: str = "legs", seed: int = 0, **entry: object) -> ReasoningGymTask:
-    validate_config({"seed": seed, "model": {"tokenizer": BPE},
-                     "tasks": [{"kind": "reasoning_gym", "name": name, "dataset": "leg_counting", **entry}]})
-    found = get_task(name)
+    config = validate_config({"seed": seed, "model": {"tokenizer": BPE},
+                              "tasks": [{"kind": "reasoning_gym", "name": name, "dataset": "leg_counting", **entry}]})
+    found = config.build_tasks()[name]
     assert isinstance(found, ReasoningGymTask)
     return found
 
@@ -65,7 +64,7 @@ def test_the_warm_start_draws_the_same_for_every_job_seed_and_its_base_follows_t
         config = validate_config({"seed": seed, "model": {"tokenizer": BPE, "warm_start": {"tasks": ["legs"]}},
                                   "tasks": [{"kind": "reasoning_gym", "name": "legs", "dataset": "leg_counting",
                                              "options": options}]})
-        return config_hash(config.model)
+        return config_hash(config.model, config.build_tasks())
 
     warm_draws = [task(seed=0).sft_sample(random.Random(i)) for i in range(5)]
     assert [task(seed=9).sft_sample(random.Random(i)) for i in range(5)] == warm_draws

@@ -12,14 +12,14 @@ from jetroll.shared.engine.evaluate import scoring_problems
 from jetroll.shared.tasks.arithmetic import ArithmeticTask
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.count import CountTask
-from jetroll.shared.tasks.registry import TASKS, get_task, register_task
+from jetroll.shared.tasks.registry import TASKS, TaskSet, register_task
 
 VOCAB = set("0123456789+-=*/:;,.?!()[] \n" + string.ascii_lowercase)
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "count", "calculator"])
 def test_heldout_disjoint_from_training(name: str) -> None:
-    task = get_task(name)
+    task = TASKS[name]
     heldout = task.heldout(200)
     assert len(set(heldout)) == 200
     assert task.heldout(200) == heldout  # deterministic
@@ -32,7 +32,7 @@ def test_heldout_disjoint_from_training(name: str) -> None:
 @pytest.mark.parametrize("name", ["arithmetic", "count", "calculator"])
 def test_probe_disjoint_from_training_and_heldout(name: str) -> None:
     """The warm start stops on the probe set, so it must not select on the set RL is scored on."""
-    task = get_task(name)
+    task = TASKS[name]
     probe = task.probe(200)
     assert len(set(probe)) == 200 and task.probe(200) == probe
     assert set(probe).isdisjoint(task.heldout(2000))
@@ -44,11 +44,11 @@ def test_probe_disjoint_from_training_and_heldout(name: str) -> None:
 def test_jetroll_eval_split_train_scores_a_fixed_draw_of_training_problems(name: str) -> None:
     """`jetroll eval --split train`: the same problems every time, drawn as the job draws its training problems,
     none of them held out."""
-    task = get_task(name)
-    train = scoring_problems(name, "train", 300)
-    assert len(train) == 300 and scoring_problems(name, "train", 300) == train
+    task = TASKS[name]
+    train = scoring_problems(TASKS[name], "train", 300)
+    assert len(train) == 300 and scoring_problems(TASKS[name], "train", 300) == train
     assert {p.prompt for p in train}.isdisjoint(p.prompt for p in task.heldout(2000))
-    assert scoring_problems(name, "heldout", 50) == task.heldout(50)
+    assert scoring_problems(TASKS[name], "heldout", 50) == task.heldout(50)
     rng = random.Random(f"{name}-train-eval")
     assert train[:20] == [task.sample(rng, index) for index in range(1, 21)]
 
@@ -67,7 +67,7 @@ def test_registered_task_is_consistent(name: str) -> None:
 
 
 def test_arithmetic_answers() -> None:
-    task = get_task("arithmetic")
+    task = TASKS["arithmetic"]
     rng = random.Random(1)
     ops = set()
     for _ in range(2000):
@@ -82,7 +82,7 @@ def test_arithmetic_answers() -> None:
 
 
 def test_count_answers_are_long_and_right() -> None:
-    task = get_task("count")
+    task = TASKS["count"]
     rng = random.Random(2)
     for p in [task.sample(rng) for _ in range(300)] + task.heldout(20):
         start, step = (int(x) for x in p.prompt.removeprefix("count ").rstrip(":").split(" by "))
@@ -96,7 +96,7 @@ def test_count_answers_are_long_and_right() -> None:
 
 def test_registry_errors() -> None:
     with pytest.raises(ValueError, match=r"unknown task 'nope'; valid: \[") as refused:
-        get_task("nope")
+        TaskSet()["nope"]
     # the built-in tasks, sorted; tasks other tests' configs registered in this process sort among them
     named = [name for name in ("arithmetic", "calculator", "count") if f"'{name}'" in str(refused.value)]
     assert named == ["arithmetic", "calculator", "count"]
@@ -106,7 +106,7 @@ def test_registry_errors() -> None:
 
 
 def test_calculator_transcripts_use_the_tool_part_of_the_time() -> None:
-    task = get_task("calculator")
+    task = TASKS["calculator"]
     reward = get_reward(task.reward)
     rng = random.Random(3)
     problems = [task.sample(rng) for _ in range(2000)]

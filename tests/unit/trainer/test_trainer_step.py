@@ -34,7 +34,7 @@ from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import TRAJ_SCORED
 from jetroll.shared.rl.batch import PendingGroup, collate
 from jetroll.shared.rl.passes import proximal_pass
-from jetroll.shared.tasks.registry import get_task
+from jetroll.shared.tasks.registry import TASKS
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def test_dr_grpo_divides_by_batch_times_max_new_tokens(
     stats = step(trainer, groups)
     advantages = [r - sum(rewards) / len(rewards) for rewards in REWARDS for r in rewards]
     summed = sum(a * len(row) for a, row in zip(advantages, RATIOS, strict=True))
-    own = get_task("arithmetic").max_new_tokens
+    own = TASKS["arithmetic"].max_new_tokens
     budget = own if cap is None else min(own, cap)
     assert summed != 0 and budget == trainer.config.rollout.sample_budget(own)
     width = collate(groups, trainer.actor.tokenizer.pad_id).loss_mask.shape[1]

@@ -11,6 +11,7 @@ import torch
 from factories import NO_MISMATCH_GATES, scored
 from factories import trajectory as make_trajectory
 
+from jetroll.functions.scoring import job_tasks
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.config.model import ModelConfig
@@ -41,7 +42,7 @@ def make_trainer(model_dir: Path, run_dir: Path, redis_url: str, job_id: str | N
         tree[name] = {**tree.get(name, {}), **fields} if isinstance(fields, dict) else fields
     config = validate_config(tree)
     bus = RedisBus(redis_url, config.job_id, claim_idle_ms=config.redis.claim_idle_ms)
-    return Trainer(config, bus, setup_store(config.store, config.job_id, run_dir), "trainer")
+    return Trainer(config, job_tasks(config), bus, setup_store(config.store, config.job_id, run_dir), "trainer")
 
 
 def trajectory(job_id: str, row: int, completion: list[int], behavior_logp: list[float],
