@@ -143,7 +143,7 @@ def run_trl_cell(name: str, out: Path, base: Path, overrides: list[str], seed: i
 
 def read_trl_cell(out: Path, config: JobConfig) -> dict[str, Any]:
     """The TRL arm's row, in the fields of a jetroll cell's (`read_cell`)."""
-    from jetroll.shared.engine.evaluate import score_model_dir
+    from jetroll.shared.evaluate import score_model_dir
 
     clock = {row["step"]: row["wall_s"] for row in read_jsonl(out / "steps.jsonl")}
     rollouts = read_jsonl(out / "rollouts.jsonl")  # one per batch, in order: batch i ends at step i

@@ -251,7 +251,7 @@ def run_cell(side: str, kernel: str, seed: int, out: Path, base: Path, job: Peer
 
 def evaluation(config: JobConfig, directories: dict[int, Path], eval_problems: int) -> list[list[float]]:
     """[[step, accuracy], ...] of each step's HF directory on the first task's held-out problems."""
-    from jetroll.shared.engine.evaluate import score_model_dir
+    from jetroll.shared.evaluate import score_model_dir
 
     name, tasks = config.tasks[0].name, job_tasks(config)
     problems = {name: tasks[name].heldout(eval_problems)}

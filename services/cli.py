@@ -264,7 +264,7 @@ def _config_reference(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _eval(args: argparse.Namespace) -> int:
     from jetroll.functions.runner import REWARDS
-    from jetroll.shared.engine.evaluate import score_run
+    from jetroll.shared.evaluate import score_run
 
     versions = None if args.versions is None else list(comma_ints(args.versions, "--versions"))
     rows = asyncio.run(score_run(args.run_dir, REWARDS, versions, args.num_problems, args.split))

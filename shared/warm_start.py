@@ -25,8 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from safetensors.torch import load_file
 
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
-from jetroll.shared.engine.evaluate import accuracy_on
 from jetroll.shared.errors import WarmStartError
+from jetroll.shared.evaluate import accuracy_on
 from jetroll.shared.model.args import ModelArgs
 from jetroll.shared.model.chat import PromptFormat, render_chat
 from jetroll.shared.model.checkpoint import load_state, save_pretrained

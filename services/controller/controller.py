@@ -12,7 +12,7 @@ from jetroll.services.controller.progress import MetricsBook, ProgressView, plot
 from jetroll.services.controller.routing import route_tasks
 from jetroll.services.controller.sinks import MetricSinks
 from jetroll.shared.config.job import JobConfig
-from jetroll.shared.engine.evaluate import evaluate
+from jetroll.shared.evaluate import evaluate
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import load_tokenizer

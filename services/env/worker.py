@@ -16,13 +16,13 @@ import logging
 import time
 from collections import Counter
 
+from jetroll.shared.agents.client import end_session, run_agent
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.protocol.bus import Delivery, RedisBus
 from jetroll.shared.protocol.claims import HeldClaims
 from jetroll.shared.protocol.events import EpisodeEvent, MetricsEvent
 from jetroll.shared.protocol.topology import METRICS, episodes_stream
 from jetroll.shared.protocol.validate import EventLimits, check_episode, expecting
-from jetroll.shared.tasks.agent import end_session, run_agent
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.registry import TaskSet
 

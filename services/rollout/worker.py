@@ -2,14 +2,13 @@
 
 Multi-turn tasks run their environments beside the engine (shared/engine/turns.py): a sequence waiting on its
 environment is paused in its slot while the others decode, and environment results are applied between steps. An
-agent task's episodes are sessions of the worker's gateway (shared/engine/gateway.py), on the same event loop: each
+agent task's episodes are sessions of the worker's gateway (shared/agents/gateway.py), on the same event loop: each
 is published to the pool's environment workers, whose agents talk to it over HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import random
@@ -53,7 +52,7 @@ from jetroll.shared.tasks.env import FlakyEnv, is_multi_turn
 from jetroll.shared.tasks.registry import TaskSet
 
 if TYPE_CHECKING:  # the gateway (aiohttp) loads with the first agent group: the `agents` extra
-    from jetroll.shared.engine.gateway import Gateway, Session
+    from jetroll.shared.agents.gateway import Gateway
 
 log = logging.getLogger("jetroll.rollout")
 
@@ -289,7 +288,7 @@ class RolloutWorker:
             raise JobFailedError(f"task {group.task} is an agent task: rollout.engine {self.engine_name} runs no "
                                  "environments")
         if self.gateway is None:
-            from jetroll.shared.engine.gateway import Gateway
+            from jetroll.shared.agents.gateway import Gateway
 
             rollout = self.config.rollout
             self.gateway = Gateway(self.tokenizer, rollout.max_seq_len, rollout.temperature, rollout.top_p,
@@ -298,17 +297,17 @@ class RolloutWorker:
             episodes = episodes_stream(self.pool.name)
             await self.bus.ensure_group(episodes.name, episodes.group)
             log.info("%s: agents' gateway at %s", self.consumer, self.gateway.url)
-        publish = functools.partial(self._publish_episode, group)
+        episodes = []
         for i in range(group.group_size):
             request = Request(f"{group.group_id}:{i}", prompt_ids, max_new, self.config.rollout.temperature,
                               self.config.rollout.top_p, turn_end_id=self.tokenizer.eos_id)
-            session = self.gateway.open(f"{request.request_id}~{self.incarnation}", publish, max_new, task.timeout_s)
+            session = self.gateway.open(f"{request.request_id}~{self.incarnation}", max_new, task.timeout_s)
             self.turns.start(request, session, Problem(group.prompt, group.answer))
-
-    async def _publish_episode(self, group: GroupEvent, session: Session, problem: Problem) -> None:
-        await self.bus.publish(episodes_stream(self.pool.name).name, EpisodeEvent(
-            job_id=self.config.job_id, session_id=session.session_id, url=session.url, task=group.task,
-            pool=self.pool.name, prompt=problem.prompt, answer=problem.answer))
+            episodes.append(EpisodeEvent(job_id=self.config.job_id, session_id=session.session_id, url=session.url,
+                                         task=group.task, pool=self.pool.name, prompt=group.prompt,
+                                         answer=group.answer))
+        # the sessions' agents, launched: their episodes go to the pool's environment workers
+        await self.bus.publish_many(episodes_stream(self.pool.name).name, episodes)
 
     async def _emit(self, finished: list[Request]) -> None:
         await self.bus.wait_for_capacity(TRAJ_RAW.name, TRAJ_RAW.group, self.config.redis.max_lag)

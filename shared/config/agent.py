@@ -1,4 +1,4 @@
-"""tasks: a `kind: agent` entry, a user's OpenAI-client agent as a task (shared/tasks/agent.py)."""
+"""tasks: a `kind: agent` entry, a user's OpenAI-client agent as a task (shared/agents/task.py)."""
 
 from __future__ import annotations
 

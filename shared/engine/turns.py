@@ -27,7 +27,7 @@ log = logging.getLogger("jetroll.rollout")
 
 @runtime_checkable
 class TokenEnvironment(Protocol):
-    """An environment that speaks token ids, not text: an agent's gateway session (shared/engine/gateway.py). Its
+    """An environment that speaks token ids, not text: an agent's gateway session (shared/agents/session.py). Its
     reset gives the prompt's ids, its step reads the turn's sampled ids straight from the request, and it hears of
     the episode's end, however it ended, so that it can answer a client still waiting."""
 

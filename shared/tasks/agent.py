@@ -1,11 +1,10 @@
 """Agents as a task (`kind: agent` in a job's tasks): a user's program that talks to the policy through an
-OpenAI-compatible endpoint, and knows nothing of jetroll.
+OpenAI-compatible endpoint (shared/agents/gateway.py), and knows nothing of jetroll.
 
-An agent is a coroutine `async def run(problem: Problem, client: openai.AsyncOpenAI) -> AgentResult | float`, named
-by its import path (`module:function`, which may import anything). `client` points at the episode's gateway session
-(shared/engine/gateway.py); the agent's reward (in [0, 1]) is the trained reward: the task's reward is `env`, which
-the reward router reads from the trajectory. An agent that raises, or runs past `timeout_s`, ends its session with
-env status `error` or `timeout`: its group is dropped and counted, never given a reward of 0.
+An agent is `async def run(problem: Problem, client: openai.AsyncOpenAI) -> AgentResult | float`, named by its
+import path (`module:function`, which may import anything); shared/agents/client.py runs it.
+Its reward (in [0, 1]) is the trained reward: the task's reward is `env`, which the reward router reads from the
+trajectory.
 
 Problems come from a JSONL file (a dataset task's splits: by hash on the question), and the warm start from the
 rows' demonstrations (a transcript in OpenAI's message format) with the agent's tools, rendered by the bridge rule of
@@ -14,10 +13,8 @@ shared/model/transcript.py, so the base model learns turns in the layout the gat
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
-import logging
 import random
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,8 +25,6 @@ from jetroll.shared.tasks.base import Problem, import_path
 from jetroll.shared.tasks.dataset import DatasetError, DatasetTask, shard_files
 
 EXTRA = "agents need the `agents` extra: pip install 'jetroll[agents]'"
-for _name in ("httpx", "httpx2"):  # the openai client's HTTP library logs every request at INFO
-    logging.getLogger(_name).setLevel(logging.WARNING)
 ENV_REWARD = "env"  # a task whose reward is this is scored by its environment's (its agent's) own reward
 
 
@@ -43,52 +38,6 @@ class AgentResult:
     @property
     def is_correct(self) -> bool:
         return self.reward == 1.0 if self.correct is None else self.correct
-
-
-@dataclass(frozen=True, slots=True)
-class EpisodeOutcome:
-    """How an agent's episode ended, as its session's end reports it."""
-
-    status: str  # ok | error | timeout
-    reward: float | None = None
-    reason: str = ""
-
-
-async def run_agent(agent: Any, problem: Problem, url: str, timeout_s: float) -> EpisodeOutcome:
-    """Run `agent` on `problem` against the session at `url`, under `timeout_s`; never raises."""
-    try:
-        import openai
-    except ImportError:
-        return EpisodeOutcome("error", None, EXTRA)
-    client = openai.AsyncOpenAI(base_url=url, api_key="jetroll", max_retries=0, timeout=timeout_s)
-    try:
-        result = await asyncio.wait_for(agent(problem, client), timeout_s)
-    except TimeoutError:
-        return EpisodeOutcome("timeout", None, f"the agent ran past its {timeout_s:g} s")
-    except Exception as exc:  # the agent's failure is its episode's env status, never a lost worker
-        return EpisodeOutcome("error", None, f"{type(exc).__name__}: {exc}"[:500])
-    finally:
-        await client.close()
-    reward = result.reward if isinstance(result, AgentResult) else result
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not 0 <= reward <= 1:
-        return EpisodeOutcome("error", None, f"the agent returned {result!r:.80}: not an AgentResult or a reward "
-                                             "in [0, 1]")
-    return EpisodeOutcome("ok", float(reward))
-
-
-async def end_session(url: str, outcome: EpisodeOutcome, timeout_s: float = 10.0) -> bool:
-    """Report an episode's outcome to its session (`url` is the session's `/v1` base); False when the gateway does
-    not take it (gone, or the session already ended)."""
-    import aiohttp
-
-    end_url = url.removesuffix("/v1") + "/end"
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-            async with http.post(end_url, json={"status": outcome.status, "reward": outcome.reward,
-                                                "reason": outcome.reason}) as response:
-                return response.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -230,25 +179,3 @@ class EnvAgent:
                 break
             messages.append({"role": "user", "content": step.observation})
         return AgentResult(reward)
-
-
-class InlineAgents:
-    """Agents run as tasks of this event loop (evaluation, the warm start's probe, tests): `launch` is a session's
-    launch (`(session, problem)`, where the session has a `url`); `drain` waits for every agent launched. The rollout
-    worker's launch publishes each episode to the environment workers instead."""
-
-    def __init__(self, agent: Any, timeout_s: float) -> None:
-        self.agent = agent
-        self.timeout_s = timeout_s
-        self.running: set[asyncio.Task[None]] = set()
-
-    async def launch(self, session: Any, problem: Problem) -> None:
-        async def episode() -> None:
-            await end_session(session.url, await run_agent(self.agent, problem, session.url, self.timeout_s))
-
-        task = asyncio.get_running_loop().create_task(episode())
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
-
-    async def drain(self) -> None:
-        await asyncio.gather(*self.running)

@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jetroll.shared.engine.gateway import Gateway
+from jetroll.shared.agents.client import InlineAgents
+from jetroll.shared.agents.gateway import Gateway
 from jetroll.shared.engine.request import Request
 from jetroll.shared.engine.turns import TurnRunner, run_episodes
 from jetroll.shared.engine.vllm import VllmEngine
 from jetroll.shared.model.checkpoint import read_args
 from jetroll.shared.model.tokenizer import load_tokenizer
-from jetroll.shared.tasks.agent import InlineAgents
 from jetroll.shared.tasks.base import Problem
 
 MAX_LEN = 320
@@ -58,8 +58,9 @@ def main(model: Path, repo: Path, num_episodes: int) -> dict[str, Any]:
         agents = InlineAgents(agent, 60.0)
         runner = TurnRunner(engine, tokenizer, 60.0, max_retries=0)
         for request, row in zip(requests, rows, strict=True):
-            runner.start(request, gateway.open(request.request_id, agents.launch, 96, 60.0),
-                         Problem(row["question"], row["answer"]))
+            session, problem = gateway.open(request.request_id, 96, 60.0), Problem(row["question"], row["answer"])
+            runner.start(request, session, problem)
+            agents.launch(session.url, problem)
         try:
             await run_episodes(engine, runner)
             await agents.drain()

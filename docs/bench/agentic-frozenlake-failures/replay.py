@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jetroll.functions.runner import REWARDS
 from jetroll.shared.config.job import load_config
-from jetroll.shared.engine.evaluate import greedy_completions
+from jetroll.shared.evaluate import greedy_completions
 from jetroll.shared.model.chat import PromptFormat
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.tasks.gym_text import GymProblem

@@ -17,8 +17,9 @@ import torch
 
 from examples.calculator_agent import CALCULATOR
 from examples.calculator_agent import run as calculator_agent
+from jetroll.shared.agents.client import InlineAgents
+from jetroll.shared.agents.gateway import Gateway
 from jetroll.shared.engine.engine import Engine
-from jetroll.shared.engine.gateway import Gateway, Session
 from jetroll.shared.engine.request import EnvResult, Request
 from jetroll.shared.engine.turns import TurnRunner, run_episodes
 from jetroll.shared.model.args import ModelArgs
@@ -28,7 +29,7 @@ from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import load_tokenizer
 from jetroll.shared.numerics import Numerics
 from jetroll.shared.rl.passes import proximal_pass
-from jetroll.shared.tasks.agent import EnvAgent, InlineAgents
+from jetroll.shared.tasks.agent import EnvAgent
 from jetroll.shared.tasks.base import Problem
 from jetroll.shared.tasks.calculator import CalculatorTask
 
@@ -81,7 +82,9 @@ def serve(agent: Agent, model: CausalLM | None = None, *, num_episodes: int = 1,
         runner = TurnRunner(engine, TOKENIZER, env_timeout_s, max_retries=0)
         agents = InlineAgents(agent, deadline_s + 5)  # the session's deadline comes first
         for request in requests:
-            runner.start(request, gateway.open(request.request_id, agents.launch, budget, deadline_s), PROBLEM)
+            session = gateway.open(request.request_id, budget, deadline_s)
+            runner.start(request, session, PROBLEM)
+            agents.launch(session.url, PROBLEM)
         try:
             await run_episodes(engine, runner)
             await agents.drain()
@@ -277,12 +280,9 @@ def test_a_session_of_an_unknown_or_finished_id_and_a_gateway_without_a_template
         Gateway(build_char_tokenizer(), 64, 1.0, 1.0)
     gateway = Gateway(TOKENIZER, 64, 1.0, 1.0)
 
-    async def nothing(session: Session, problem: Problem) -> None:
-        return None
-
-    gateway.open("a:0", nothing, 10, 1.0)
+    gateway.open("a:0", 10, 1.0)
     with pytest.raises(ValueError, match="already open"):
-        gateway.open("a:0", nothing, 10, 1.0)
+        gateway.open("a:0", 10, 1.0)
 
 
 def test_the_gateway_listens_where_rollout_gateway_host_says_and_is_reached_there() -> None:

@@ -15,9 +15,9 @@ from jetroll.functions.runner import REWARDS
 from jetroll.shared import warm_start
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.engine.engine import Engine
-from jetroll.shared.engine.evaluate import evaluate
 from jetroll.shared.engine.request import Request
 from jetroll.shared.errors import WarmStartError
+from jetroll.shared.evaluate import evaluate
 from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.tokenizer import CHARSET, SPECIAL_TOKENS, build_char_tokenizer
 from jetroll.shared.tasks.base import Task

@@ -8,7 +8,7 @@ import string
 import pytest
 
 from jetroll.functions.runner import get_reward
-from jetroll.shared.engine.evaluate import scoring_problems
+from jetroll.shared.evaluate import scoring_problems
 from jetroll.shared.tasks.arithmetic import ArithmeticTask
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.count import CountTask

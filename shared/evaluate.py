@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from jetroll.shared.agents.client import InlineAgents
 from jetroll.shared.config.job import JobConfig, validate_config
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
@@ -23,7 +24,7 @@ from jetroll.shared.model.checkpoint import load_pretrained
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import Tokenizer
 from jetroll.shared.store import setup_store
-from jetroll.shared.tasks.agent import AgentTask, InlineAgents
+from jetroll.shared.tasks.agent import AgentTask
 from jetroll.shared.tasks.base import Problem, Task
 from jetroll.shared.tasks.env import is_multi_turn
 from jetroll.shared.tasks.registry import Rewards, TaskSet
@@ -72,7 +73,7 @@ async def _episodes(engine: Engine, tokenizer: Tokenizer, task: Task, requests: 
 async def _agent_episodes(engine: Engine, tokenizer: Tokenizer, task: AgentTask, requests: list[Request],
                           problems: list[Problem]) -> list[float | None]:
     """An agent task's episodes through a gateway on this loop, its agents beside it: each episode's reward."""
-    from jetroll.shared.engine.gateway import Gateway
+    from jetroll.shared.agents.gateway import Gateway
 
     gateway = Gateway(tokenizer, engine.max_len, temperature=0.0, top_p=1.0)
     await gateway.start()
@@ -80,8 +81,9 @@ async def _agent_episodes(engine: Engine, tokenizer: Tokenizer, task: AgentTask,
     runner = TurnRunner(engine, tokenizer, task.timeout_s, max_retries=0)
     try:
         for request, problem in zip(requests, problems, strict=True):
-            runner.start(request, gateway.open(request.request_id, agents.launch, request.max_new_tokens,
-                                               task.timeout_s), problem)
+            session = gateway.open(request.request_id, request.max_new_tokens, task.timeout_s)
+            runner.start(request, session, problem)
+            agents.launch(session.url, problem)
         await run_episodes(engine, runner)
         await agents.drain()
     finally:
