@@ -14,8 +14,9 @@ from jetroll.shared.model.init import init_weights, model_args
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.numerics import Numerics
+from jetroll.shared.sft import IGNORE_INDEX, sft_batch
 from jetroll.shared.tasks.registry import TaskSet
-from jetroll.shared.warm_start import IGNORE_INDEX, sft_batch, sft_lr
+from jetroll.shared.warm_start import sft_lr
 
 STEPS, BATCH, LR = 200, 32, 3e-3
 TINY = ModelConfig(num_layers=1, intermediate_size=256)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from jetroll.functions.runner import REWARDS
-from jetroll.shared import warm_start
+from jetroll.shared import sft, warm_start
 from jetroll.shared.config.model import ModelConfig, WarmStartConfig
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.request import Request
@@ -271,12 +271,12 @@ def test_task_weights_set_each_tasks_share_of_the_sft_rows_and_leave_uniform_bas
             return super().__getitem__(name)
 
     tokenizer = build_char_tokenizer()
-    warm_start.sft_batch(tokenizer, Recorded(), ["arithmetic", "count"], 400, random.Random(0),
+    sft.sft_batch(tokenizer, Recorded(), ["arithmetic", "count"], 400, random.Random(0),
                          task_weights={"count": 0.25})
     assert 50 <= drawn.count("count") <= 110  # 80 expected (1 in 5)
     drawn.clear()
     uniform = [random.Random(1).choice(["arithmetic", "count"])]
-    warm_start.sft_batch(tokenizer, Recorded(), ["arithmetic", "count"], 1, random.Random(1))
+    sft.sft_batch(tokenizer, Recorded(), ["arithmetic", "count"], 1, random.Random(1))
     assert drawn == uniform  # no weights: the same draws as before the field existed
     config = tiny_config()
     weighted = config.model_copy(update={"warm_start": config.warm_start.model_copy(

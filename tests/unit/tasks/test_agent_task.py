@@ -14,9 +14,9 @@ from jetroll.shared.config.job import validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.chat import render_chat
 from jetroll.shared.model.tokenizer import load_tokenizer
+from jetroll.shared.sft import IGNORE_INDEX, demonstration_ids, sft_batch
 from jetroll.shared.tasks.agent import EnvAgent
 from jetroll.shared.tasks.registry import TASKS
-from jetroll.shared.warm_start import IGNORE_INDEX, demonstration_ids, sft_batch
 
 REPO = Path(__file__).resolve().parents[3]
 BPE_AGENT = str(REPO / "configs" / "models" / "bpe-agent")
