@@ -98,6 +98,7 @@ class RolloutReplica:
     async def __init__(self, tree: dict[str, Any], redis_url: str, run_dir: str, pool: str) -> None:
         from ray import serve
 
+        from jetroll.functions.scoring import job_tasks
         from jetroll.services.launch.entrypoints import prepare_process
         from jetroll.services.rollout.worker import RolloutWorker
         from jetroll.shared.store import setup_store
@@ -109,7 +110,7 @@ class RolloutReplica:
         self.bus = RedisBus.of_job(redis_url, config.job_id, config.redis)
         self.replicas = ReplicaVersions(self.bus)
         store = setup_store(config.store, config.job_id, Path(run_dir))
-        self.worker = RolloutWorker(config, self.bus, store, self.name, pool)
+        self.worker = RolloutWorker(config, job_tasks(config), self.bus, store, self.name, pool)
         self.groups_per_replica = max(1, (self.worker.pool.max_batch or config.rollout.max_batch)
                                       // config.trainer.group_size)
         self.task = asyncio.create_task(self.worker.run())
