@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from jetroll.services.trainer.mismatch import Measure, MismatchSampler
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.model.checkpoint import load_pretrained, torch_device
 from jetroll.shared.model.model import CausalLM
@@ -14,6 +15,14 @@ from jetroll.shared.rl.passes import PolicyPass, gradient_logp, gradient_rows, p
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.rl.staleness import fresh_tokens
 from jetroll.shared.tasks.registry import TaskSet
+
+
+class Stepped(NamedTuple):
+    """What one step computed: its stats, its batch and its passes (the after-step hooks read the last two)."""
+
+    stats: dict[str, float]
+    batch: TokenBatch
+    policy: PolicyPass
 
 
 class Actor:
@@ -32,14 +41,11 @@ class Actor:
             self.reference, _ = load_pretrained(config.model.path, numerics, self.device)
             self.reference.requires_grad_(False)
             self.reference.share_inference_masters()
-        self.mismatch = MismatchSampler(self.model, config)
 
-    def step(self, groups: list[PendingGroup], version: int) -> tuple[dict[str, float], Measure]:
+    def step(self, groups: list[PendingGroup], version: int) -> Stepped:
         """batch -> pi_prox -> advantages -> the corrected PPO loss -> `updates_per_batch` optimizer steps, at the
-        trainer's `version` (the caller publishes). Returns the step's stats, and the call that measures its precision
-        mismatch (the commit makes it, off the critical path)."""
+        trainer's `version` (the caller publishes)."""
         cfg = self.config.trainer
-        self.mismatch.keep(version, self.model)
         batch = collate(groups, self.tokenizer.pad_id, self.device)
         # a group whose rewards are all equal has zero advantage, so its tokens add nothing to the PPO gradient: they
         # get no pass of their own in async mode (passes.py), unless a KL term gives them a gradient
@@ -68,8 +74,7 @@ class Actor:
                 # the last update's figures: its clip_frac says how far the updates moved from pi_prox
                 loss_stats |= self._optimizer_step(loss, stats["lr"])
             stats |= loss_stats
-        measure = self.mismatch.prepare(batch, policy.prox_logp, policy.scored, version)
-        return stats | self._batch_stats(batch, policy), measure
+        return Stepped(stats | self._batch_stats(batch, policy), batch, policy)
 
     def lr(self, version: int) -> float:
         """The learning rate of the step that makes `version + 1`: a pure function of the version, so a resumed run

@@ -29,7 +29,7 @@ from jetroll.shared.config.precision import MismatchGates
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import TokenBatch
 from jetroll.shared.rl.mismatch import k3_growth, mismatch_stats, scorable_versions
-from jetroll.shared.rl.passes import policy_width, proximal_pass
+from jetroll.shared.rl.passes import PolicyPass, policy_width, proximal_pass
 
 log = logging.getLogger("jetroll.trainer")
 
@@ -58,18 +58,19 @@ class MismatchSampler:
         self.scorer: CausalLM | None = None  # built at its first pass
         self.scorer_version: int | None = None
 
-    def keep(self, version: int, model: CausalLM) -> None:
-        """Remember `model`'s weights as `version` for the steps after this one, and forget versions no trained token
-        can carry any more."""
+    def before_step(self, version: int) -> None:
+        """Remember the model's weights as `version` for the steps after this one, and forget versions no trained
+        token can carry any more."""
         if self.share == 0 or version >= self.last_version:
             return
-        self.masters[version] = [param.detach().clone() for param in model.parameters()]
+        self.masters[version] = [param.detach().clone() for param in self.model.parameters()]
         for old in [v for v in self.masters if v < version - self.eta_hard]:
             del self.masters[old]
 
-    def prepare(self, batch: TokenBatch, prox_logp: torch.Tensor, scored: torch.Tensor, version: int) -> Measure:
-        """What the step leaves to measure, as a call that measures it: the scored rows' tokens of the trainer's
-        `version` (pi_prox has them), and the sampled rows' tokens of the chosen version, scored when called."""
+    def after_step(self, batch: TokenBatch, policy: PolicyPass, version: int) -> Measure:
+        """What the step at `version` leaves to measure, as a call that measures it: the scored rows' tokens of that
+        version (pi_prox has them), and the sampled rows' tokens of the chosen version, scored when called."""
+        prox_logp, scored = policy.prox_logp, policy.scored
         rollout = self.config.rollout
         # a drawn log-prob (an engine that runs no model) has no mismatch to measure
         computed = torch.tensor([rollout.runs_model(rollout.pool(p)) for p in batch.pools], device=scored.device)

@@ -14,7 +14,7 @@ import torch
 from jetroll.services.trainer.actor import Actor
 from jetroll.services.trainer.commit import Committer
 from jetroll.services.trainer.intake import GROUP, STREAM, Intake
-from jetroll.services.trainer.mismatch import Measure
+from jetroll.services.trainer.mismatch import Measure, MismatchSampler
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.engine.factory import modelled_step
 from jetroll.shared.protocol.bus import RedisBus
@@ -52,7 +52,8 @@ class Trainer:
         self.commit_task: asyncio.Task[None] | None = None
         self.publish_s = 0.0
         self.actor = Actor(config, tasks)
-        self.train_step = modelled_step(config.trainer, lambda: self.publish_s) or self.actor.step
+        self.mismatch = MismatchSampler(self.actor.model, config)
+        self.train_step = modelled_step(config.trainer, lambda: self.publish_s) or self._actor_step
         limits = EventLimits.of(config, tasks, self.actor.model.args.vocab_size)
         self.intake = Intake(config, bus, consumer, self.ledger, limits, lambda: self.version)
         self.committer = Committer(config, bus, store, self.ledger, self.actor, self.intake.release)
@@ -113,6 +114,14 @@ class Trainer:
         if self.commit_task is not None:
             await self.commit_task
             self.commit_task = None
+
+    def _actor_step(self, groups: list[PendingGroup], version: int) -> tuple[dict[str, float], Measure]:
+        """The actor's step, and the precision mismatch sampler's hooks around it: it keeps the weights the step
+        starts from, and returns the call that measures the step's mismatch (the commit makes it, off the critical
+        path)."""
+        self.mismatch.before_step(version)
+        stats, batch, policy = self.actor.step(groups, version)
+        return stats, self.mismatch.after_step(batch, policy, version)
 
     def _step(self, groups: list[PendingGroup]) -> tuple[dict[str, float], Measure]:
         """One optimizer step (or what the config's trainer engine models of it) and its staleness stats; and the
