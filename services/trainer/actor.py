@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from jetroll.shared.config.job import JobConfig
+from jetroll.services.trainer.sections import TrainerSections
 from jetroll.shared.model.checkpoint import load_pretrained, torch_device
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import PendingGroup, TokenBatch, collate
@@ -14,7 +14,6 @@ from jetroll.shared.rl.loss import group_advantages, loss_denominator, ppo_loss
 from jetroll.shared.rl.passes import PolicyPass, gradient_logp, gradient_rows, policy_pass, reference_logp
 from jetroll.shared.rl.schedule import trainer_lr
 from jetroll.shared.rl.staleness import fresh_tokens
-from jetroll.shared.tasks.registry import TaskSet
 
 
 class Stepped(NamedTuple):
@@ -26,10 +25,9 @@ class Stepped(NamedTuple):
 
 
 class Actor:
-    def __init__(self, config: JobConfig, tasks: TaskSet) -> None:
+    def __init__(self, config: TrainerSections) -> None:
         assert config.model.path, "the launcher resolves model.path before services start"
         self.config = config
-        self.tasks = tasks
         self.device = torch_device(config.trainer.device, "trainer.device")
         numerics = config.precision.numerics().trainer_side()
         self.model, self.tokenizer = load_pretrained(config.model.path, numerics, self.device)
@@ -55,7 +53,7 @@ class Actor:
         policy = policy_pass(self.model, batch, with_grad, self.tokenizer.pad_id, entropy_grad=cfg.entropy_coef > 0,
                              score_all=self.config.staleness.mode == "sync")
         advantages = group_advantages(batch.rewards, cfg.advantage).flatten()
-        eta_hard = torch.tensor([self.config.task_eta_hard(task) for task in batch.tasks], device=self.device)
+        eta_hard = torch.tensor([self.config.eta_hard[task] for task in batch.tasks], device=self.device)
         loss_mask = fresh_tokens(batch.loss_mask, batch.v_tok, version, eta_hard[:, None])
         stats: dict[str, float] = {"grad_rows_frac": float(with_grad.float().mean()), "lr": self.lr(version)}
         if policy.logp is not None:  # with no signal at all there is nothing to step on (not even Adam's momentum)
@@ -82,7 +80,7 @@ class Actor:
         return trainer_lr(self.config.trainer, version)
 
     def _loss_denominator(self, batch: TokenBatch, loss_mask: torch.Tensor) -> float:
-        budgets = [self.config.rollout.sample_budget(self.tasks[task].max_new_tokens) for task in batch.tasks]
+        budgets = [self.config.sample_budgets[task] for task in batch.tasks]
         return loss_denominator(self.config.trainer.advantage, loss_mask, budgets)
 
     def _reference_logp(self, batch: TokenBatch, rows: torch.Tensor, width: int) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from jetroll.services.trainer.actor import Actor
 from jetroll.services.trainer.mismatch import MismatchGateKeeper
-from jetroll.shared.config.job import JobConfig
+from jetroll.services.trainer.sections import TrainerSections
 from jetroll.shared.errors import JobFailedError
 from jetroll.shared.model.checkpoint import (
     load_state,
@@ -87,7 +87,7 @@ def _identity(tensor: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
 
 
 class Committer:
-    def __init__(self, config: JobConfig, bus: RedisBus, store: WeightStore, ledger: Ledger, actor: Actor,
+    def __init__(self, config: TrainerSections, bus: RedisBus, store: WeightStore, ledger: Ledger, actor: Actor,
                  release: Callable[[Iterable[str]], None]) -> None:
         self.config = config
         self.bus = bus

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from jetroll.shared.config.job import JobConfig
+from jetroll.services.trainer.sections import TrainerSections
 from jetroll.shared.protocol.bus import RedisBus
 from jetroll.shared.protocol.claims import HeldClaims
 from jetroll.shared.protocol.events import ScoredEvent
@@ -19,7 +19,6 @@ from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.ledger import Ledger, Outcome
 from jetroll.shared.protocol.topology import TRAJ_SCORED
 from jetroll.shared.protocol.validate import EventLimits, check_scored, expecting
-from jetroll.shared.rl.admission import in_flight_slack, task_quotas
 from jetroll.shared.rl.batch import GroupBuffer, PendingGroup
 
 log = logging.getLogger("jetroll.trainer")
@@ -28,16 +27,16 @@ STREAM, GROUP = TRAJ_SCORED.name, TRAJ_SCORED.group
 
 
 class Intake:
-    def __init__(self, config: JobConfig, bus: RedisBus, consumer: str, ledger: Ledger, limits: EventLimits,
+    def __init__(self, config: TrainerSections, bus: RedisBus, consumer: str, ledger: Ledger, limits: EventLimits,
                  version_now: Callable[[], int]) -> None:
         self.config = config
         self.bus = bus
         self.consumer = consumer
         self.ledger = ledger
         self.version_now = version_now  # the trainer's current version
-        self.in_flight = InFlightIndex(bus, in_flight_slack(config))
+        self.in_flight = InFlightIndex(bus, config.in_flight_slack)
         self.buffer = GroupBuffer()
-        self.quotas = task_quotas(config) if config.trainer.task_quotas else None
+        self.quotas = config.task_quotas
         # the groups of the step in progress and of the commit in the background, acked once recorded
         self.training: dict[str, PendingGroup] = {}
         self.stale_wait_s = 0.0  # waiting on an in-flight group that must join the step, with B groups at hand

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from jetroll.shared.config.job import JobConfig
+from jetroll.services.trainer.sections import TrainerSections
 from jetroll.shared.config.precision import MismatchGates
 from jetroll.shared.model.model import CausalLM
 from jetroll.shared.rl.batch import TokenBatch
@@ -46,12 +46,12 @@ def lowest_hashes(traj_ids: list[str], candidates: torch.Tensor, count: int) -> 
 
 
 class MismatchSampler:
-    def __init__(self, model: CausalLM, config: JobConfig) -> None:
+    def __init__(self, model: CausalLM, config: TrainerSections) -> None:
         self.config = config
         # a sync step's tokens are all at the trainer's version, and the step scores every row (actor.py)
         self.share = config.precision.mismatch.sample if config.staleness.mode == "async" else 0.0
         self.eta_hard = config.max_eta_hard
-        self.kept_kv = not config.rollout.recompute_kv_on_swap
+        self.kept_kv = config.rollout_keeps_kv
         self.last_version = config.trainer.max_steps - 1  # the last step's version: no later step scores its tokens
         self.model = model
         self.masters: dict[int, list[torch.Tensor]] = {}
@@ -71,9 +71,8 @@ class MismatchSampler:
         """What the step at `version` leaves to measure, as a call that measures it: the scored rows' tokens of that
         version (pi_prox has them), and the sampled rows' tokens of the chosen version, scored when called."""
         prox_logp, scored = policy.prox_logp, policy.scored
-        rollout = self.config.rollout
         # a drawn log-prob (an engine that runs no model) has no mismatch to measure
-        computed = torch.tensor([rollout.runs_model(rollout.pool(p)) for p in batch.pools], device=scored.device)
+        computed = torch.tensor([p in self.config.pools_computing_mu for p in batch.pools], device=scored.device)
         versions = scorable_versions((batch.loss_mask > 0) & computed[:, None], batch.v_tok, self.kept_kv)
         measured = scored[:, None] & (versions == version)
         rows, chosen = torch.zeros_like(scored), None
@@ -123,8 +122,7 @@ class MismatchSampler:
         delta = abs_delta[measured]
         stats = mismatch_stats(trainer_logp, batch.behavior_logp, measured, self.config.precision.correction_cap)
         # pools may run different engines, each with its own gap to the trainer; tasks differ in output length
-        rollout = self.config.rollout
-        engines = [rollout.engine_of(rollout.pool(p)) for p in batch.pools]
+        engines = [self.config.pool_engines[p] for p in batch.pools]
         sources = {f"pool/{pool}": [p == pool for p in batch.pools] for pool in sorted(set(batch.pools))}
         sources |= {f"engine/{engine}": [e == engine for e in engines] for engine in sorted(set(engines))}
         sources |= {f"task/{task}": [t == task for t in batch.tasks] for task in sorted(set(batch.tasks))}

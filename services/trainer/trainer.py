@@ -15,6 +15,7 @@ from jetroll.services.trainer.actor import Actor
 from jetroll.services.trainer.commit import Committer
 from jetroll.services.trainer.intake import GROUP, STREAM, Intake
 from jetroll.services.trainer.mismatch import Measure, MismatchSampler
+from jetroll.services.trainer.sections import TrainerSections
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.engine.factory import modelled_step
 from jetroll.shared.protocol.bus import RedisBus
@@ -42,19 +43,19 @@ class Clock:
 
 
 class Trainer:
-    def __init__(self, config: JobConfig, tasks: TaskSet, bus: RedisBus, store: WeightStore, consumer: str) -> None:
-        self.config = config
+    def __init__(self, job: JobConfig, tasks: TaskSet, bus: RedisBus, store: WeightStore, consumer: str) -> None:
+        """The job's values are resolved here, at the trainer's entry: its parts read only `TrainerSections`."""
+        self.config = config = TrainerSections.of(job, tasks)
         self.bus = bus
         self.store = store
         self.ledger = Ledger(bus)
-        self.task_names = [task.name for task in config.tasks]
         self.version = 0
         self.commit_task: asyncio.Task[None] | None = None
         self.publish_s = 0.0
-        self.actor = Actor(config, tasks)
+        self.actor = Actor(config)
         self.mismatch = MismatchSampler(self.actor.model, config)
         self.train_step = modelled_step(config.trainer, lambda: self.publish_s) or self._actor_step
-        limits = EventLimits.of(config, tasks, self.actor.model.args.vocab_size)
+        limits = EventLimits.of(job, tasks, self.actor.model.args.vocab_size)
         self.intake = Intake(config, bus, consumer, self.ledger, limits, lambda: self.version)
         self.committer = Committer(config, bus, store, self.ledger, self.actor, self.intake.release)
 
@@ -128,7 +129,6 @@ class Trainer:
         call that measures its precision mismatch."""
         stats, measure = self.train_step(groups, self.version)
         trajectories = [e.trajectory for g in groups for e in g.events]
-        per_task = {f"groups/{task}": float(sum(g.task == task for g in groups)) for task in self.task_names}
-        eta_hard = {task: self.config.task_eta_hard(task) for task in self.task_names}
-        stats |= per_task | staleness_stats(trajectories, self.version, eta_hard)
+        per_task = {f"groups/{task}": float(sum(g.task == task for g in groups)) for task in self.config.task_names}
+        stats |= per_task | staleness_stats(trajectories, self.version, self.config.eta_hard)
         return stats, measure

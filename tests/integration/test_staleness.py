@@ -20,6 +20,7 @@ from jetroll.functions.scoring import job_tasks
 from jetroll.services.launch.local import Launcher
 from jetroll.services.rollout.worker import RolloutWorker
 from jetroll.services.trainer.intake import GROUP, STREAM, Intake
+from jetroll.services.trainer.sections import TrainerSections
 from jetroll.services.trainer.trainer import Trainer
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.model.checkpoint import load_pretrained
@@ -336,8 +337,9 @@ def test_a_group_in_the_commit_running_in_the_background_is_not_waited_for(model
 
     async def scenario() -> tuple[list[str], list[str], float]:
         bus = RedisBus(redis_url, job)
-        limits = EventLimits.of(config, config.build_tasks(), 64)
-        intake = Intake(config, bus, "trainer", Ledger(bus), limits, lambda: version)
+        tasks = config.build_tasks()
+        limits = EventLimits.of(config, tasks, 64)
+        intake = Intake(TrainerSections.of(config, tasks), bus, "trainer", Ledger(bus), limits, lambda: version)
         try:
             await bus.ensure_group(STREAM, GROUP)
             await bus.redis.zadd(bus.key(IN_FLIGHT), {"g1": 0, "g2": 1})

@@ -86,7 +86,7 @@ def test_dr_grpo_divides_by_batch_times_max_new_tokens(
     summed = sum(a * len(row) for a, row in zip(advantages, RATIOS, strict=True))
     own = TASKS["arithmetic"].max_new_tokens
     budget = own if cap is None else min(own, cap)
-    assert summed != 0 and budget == trainer.config.rollout.sample_budget(own)
+    assert summed != 0 and budget == trainer.config.sample_budgets["arithmetic"]
     width = collate(groups, trainer.actor.tokenizer.pad_id).loss_mask.shape[1]
     assert width != budget  # the padded width would give another loss
     assert stats["loss"] == pytest.approx(-summed / (len(RATIOS) * budget), rel=1e-4)
