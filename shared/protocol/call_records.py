@@ -65,8 +65,10 @@ class CeleryReplies:
 
     def __init__(self, broker_url: str, prefix: str, wait_s: float) -> None:
         self.prefix, self.wait_s = prefix, wait_s
-        # a socket timeout shorter than the BLPOP would cut it short and could drop a reply it already popped
-        self.redis: aioredis.Redis = connect(broker_url, socket_timeout_s=wait_s + 5.0)
+        # a socket timeout shorter than the BLPOP would cut it short and could drop a reply it already popped. No
+        # retries: a BLPOP re-sent across a broker restart would wait out the visibility timeout for the reply of a
+        # task the broker lost or a dead worker held; the call must see the outage, so it sends its task again
+        self.redis: aioredis.Redis = connect(broker_url, socket_timeout_s=wait_s + 5.0, retries=0)
 
     def key(self, traj_id: str, attempt: int) -> str:
         return f"{self.prefix}:{traj_id}:{attempt}"

@@ -19,10 +19,11 @@ class RedisUnreachable(Exception):
     """No Redis server answered at a URL."""
 
 
-def connect(url: str, *, socket_timeout_s: float | None = None) -> aioredis.Redis:
+def connect(url: str, *, socket_timeout_s: float | None = None, retries: int = RECONNECT_RETRIES) -> aioredis.Redis:
     """An asyncio client of jetroll's Redis (or a Celery broker's); RESP2 pinned, so reply shapes are the same on
-    every server version. `socket_timeout_s`: for a client that blocks server-side longer than redis-py's default."""
-    retry = AsyncRetry(ExponentialBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), RECONNECT_RETRIES)
+    every server version. `socket_timeout_s`: for a client that blocks server-side longer than redis-py's default;
+    `retries` 0 for one that must see a lost connection rather than carry on across a restart."""
+    retry = AsyncRetry(ExponentialBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries)
     return aioredis.Redis.from_url(url, protocol=2, retry=retry, socket_timeout=socket_timeout_s)
 
 

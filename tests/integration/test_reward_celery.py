@@ -27,8 +27,10 @@ from reward_harness import (
 
 from jetroll.functions.celery_app import MAX_RUNS
 from jetroll.services.launch.celery_worker import CeleryWorker
+from jetroll.services.launch.redis_server import RedisServer
 from jetroll.services.reward.backends import setup_backend
 from jetroll.shared.config.reward import RewardConfig
+from jetroll.shared.protocol.call_records import BrokerUnreachable, CeleryReplies
 from jetroll.shared.protocol.topology import TRAJ_RAW
 
 pytestmark = pytest.mark.integration
@@ -180,3 +182,29 @@ def test_failures_are_errors_and_a_call_delivered_too_often_is_not_run_again(
     assert f"died in each of {MAX_RUNS} runs" in exhausted.details["error"]
     assert (fine.status, fine.reward) == ("ok", 1.0)
     assert (env_failed.status, env_failed.reward, env_failed.attempts) == ("env_fail", None, 0)
+
+
+def test_a_reply_wait_sees_a_broker_restart_instead_of_waiting_out_the_visibility_timeout(tmp_path: Path) -> None:
+    """The broker SIGKILLed under a call's BLPOP and back on its port at once, well inside the clients' usual
+    reconnect window. The wait raises BrokerUnreachable (so the call sends its task again) rather than resume on the
+    restarted broker: its task may be lost with the outage, or held unacked by a worker that died of it, and no reply
+    would come before the visibility timeout. Beside the Ray launcher the job-level outage test hit this."""
+    broker = RedisServer(data_dir=tmp_path / "broker").start()
+    replies = CeleryReplies(broker.url, "t", wait_s=60.0)
+
+    async def scenario() -> None:
+        assert await replies.kept(replies.key("g0:0", 1)) is None  # connected
+        waiting = asyncio.create_task(replies.wait(replies.key("g0:0", 1)))
+        await asyncio.sleep(0.3)
+        assert broker._proc is not None
+        os.kill(broker._proc.pid, signal.SIGKILL)
+        broker._proc.wait()
+        broker.restart()
+        with pytest.raises(BrokerUnreachable):
+            await asyncio.wait_for(waiting, timeout=20.0)
+        await replies.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        broker.stop()
