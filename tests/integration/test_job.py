@@ -198,12 +198,17 @@ TIGHT_GATES = ("precision.mismatch.gate.k3.above=1e-12", "precision.mismatch.gat
                "precision.mismatch.gate.growth.above=10", "precision.mismatch.gate.growth.floor=1e-15")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_smoke_fp8_unified_exact_has_zero_mismatch(mode: str, start_job: Callable[..., Job]) -> None:
+def test_smoke_fp8_unified_exact_async_has_zero_mismatch(start_job: Callable[..., Job]) -> None:
     """Rollout loads the published FP8 bytes; on the exact backend every same-version log-prob matches bitwise. In
-    async mode the sampled rows are scored with the kept weights of the versions that sampled them: bitwise too."""
-    job = start_job("precision.mode=fp8_unified", "precision.backend=exact", f"staleness.mode={mode}", *TIGHT_GATES)
+    async mode the sampled rows are scored with the kept weights of the versions that sampled them: bitwise too.
+    (The sync case runs in `test_smoke_sync_...` below, one job for both checks.)"""
+    job = start_job("precision.mode=fp8_unified", "precision.backend=exact", "staleness.mode=async", *TIGHT_GATES)
     assert job.wait() == 0, job.stderr()
+    check_zero_mismatch(job, "async")
+
+
+def check_zero_mismatch(job: Job, mode: str) -> None:
+    """A finished fp8_unified exact job measured every scored token at 0, and published FP8 weights."""
     summary = check_summary(job, max_steps=4)
     assert summary["mismatch_mean_abs_logprob"] == 0.0
     assert summary["mismatch_coverage"] == 1.0 if mode == "sync" else 0 < summary["mismatch_coverage"] < 1
@@ -239,10 +244,14 @@ def test_each_mismatch_gate_catches_a_misaligned_refit(failing: str, start_job: 
         assert f"precision.mismatch.gate.{gate}.above" in trainer_log, (gate, trainer_log[-2000:])
 
 
-def test_smoke_sync_has_zero_lag_and_a_warmed_up_cosine_lr(start_job: Callable[..., Job]) -> None:
+def test_smoke_sync_exact_has_zero_lag_zero_mismatch_and_a_warmed_up_cosine_lr(start_job: Callable[..., Job]) -> None:
+    """Two checks on one sync job (merged by issue 50; neither setting touches what the other checks): the lag and
+    the lr schedule, and fp8_unified's zero mismatch on the exact backend with every token measured."""
     job = start_job("staleness.mode=sync", "trainer.lr_schedule=cosine", "trainer.lr=1e-3", "trainer.warmup_steps=2",
-                    "trainer.lr_decay_frac=0.5")
+                    "trainer.lr_decay_frac=0.5", "precision.mode=fp8_unified", "precision.backend=exact",
+                    *TIGHT_GATES)
     assert job.wait() == 0, job.stderr()
+    check_zero_mismatch(job, "sync")
     summary = check_summary(job, max_steps=4)
     rows = job.metrics()
     # two warm-up steps, then the decay over the last half of the steps: the lr the trainer stepped with
