@@ -34,7 +34,10 @@ METRICS_EVERY_S = 5.0
 class EnvWorker:
     def __init__(self, config: JobConfig, tasks: TaskSet, bus: RedisBus, consumer: str,
                  pool: str | None = None) -> None:
-        self.config = config
+        # what the worker needs of the job, resolved here at its entry: its pool, the limits on episodes, its claims
+        self.job_id = config.job_id
+        self.claim_idle_ms = config.redis.claim_idle_ms
+        self.limits = EventLimits.of(config, tasks, 1)  # an episode carries no token ids
         self.tasks = tasks
         self.bus = bus
         self.consumer = consumer
@@ -46,10 +49,8 @@ class EnvWorker:
 
     async def run(self) -> None:
         await self.bus.ensure_group(self.stream.name, self.stream.group)
-        limits = EventLimits.of(self.config, self.tasks, 1)
-        is_episode = expecting(EpisodeEvent, lambda episode: check_episode(episode, limits))
-        claims = HeldClaims(self.bus, self.stream.name, self.stream.group, self.consumer,
-                            self.config.redis.claim_idle_ms)
+        is_episode = expecting(EpisodeEvent, lambda episode: check_episode(episode, self.limits))
+        claims = HeldClaims(self.bus, self.stream.name, self.stream.group, self.consumer, self.claim_idle_ms)
         log.info("%s running pool %s's agents", self.consumer, self.pool.name)
         try:
             while True:
@@ -88,5 +89,5 @@ class EnvWorker:
         self.metrics_at = time.monotonic()
         values = {f"pool/{self.pool.name}/agent_episodes/{status}": float(n) for status, n in self.outcomes.items()}
         values[f"pool/{self.pool.name}/agent_episodes_running"] = float(len(self.running))
-        await self.bus.publish(METRICS, MetricsEvent(job_id=self.config.job_id, service=self.consumer, values=values,
+        await self.bus.publish(METRICS, MetricsEvent(job_id=self.job_id, service=self.consumer, values=values,
                                                      step=0))

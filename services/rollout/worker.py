@@ -15,13 +15,14 @@ import random
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 
+from jetroll.services.rollout.sections import RolloutSections
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.engine.factory import build_engine
 from jetroll.shared.engine.interface import RolloutEngine, probe
@@ -44,7 +45,6 @@ from jetroll.shared.protocol.events import (
 from jetroll.shared.protocol.in_flight import InFlightIndex
 from jetroll.shared.protocol.topology import METRICS, TRAJ_RAW, WEIGHTS, episodes_stream, groups_stream
 from jetroll.shared.protocol.validate import EventLimits, check_group, expecting
-from jetroll.shared.rl.admission import in_flight_slack
 from jetroll.shared.store.base import WeightStore, WeightStoreError, encode_manifest
 from jetroll.shared.tasks.agent import AgentTask
 from jetroll.shared.tasks.base import Problem
@@ -69,16 +69,17 @@ class InFlightGroup:
 
 
 class RolloutWorker:
-    def __init__(self, config: JobConfig, tasks: TaskSet, bus: RedisBus, store: WeightStore, consumer: str,
+    def __init__(self, job: JobConfig, tasks: TaskSet, bus: RedisBus, store: WeightStore, consumer: str,
                  pool: str | None = None) -> None:
-        self.config = config
+        """The job's values are resolved here, at the worker's entry: the rest reads only `RolloutSections`."""
+        self.config = config = RolloutSections.of(job, tasks, pool)
         self.tasks = tasks
         self.bus = bus
         self.store = store
         self.consumer = consumer
-        self.pool = config.rollout.pool(pool) if pool else config.rollout.pools[0]
+        self.pool = config.pool
         self.stream = groups_stream(self.pool.name)
-        self.in_flight = InFlightIndex(bus, in_flight_slack(config))
+        self.in_flight = InFlightIndex(bus, config.in_flight_slack)
         self.groups: dict[str, InFlightGroup] = {}
         self.pending_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.engine_name = config.rollout.engine_of(self.pool)
@@ -107,9 +108,9 @@ class RolloutWorker:
         self.plan = quantization_plan(read_args(directory)[0], self.config.precision.numerics())
         self.precision_id = self.config.precision.rollout_precision_id(self.engine_name, self.plan.digest)
         await self._check_plan(version, await asyncio.to_thread(_read_tensors, directory))
-        built = build_engine(self.config, self.pool, directory)
+        built = build_engine(self.config.rollout, self.config.precision, self.config.seed, self.pool, directory)
         self.engine, self.tokenizer = built.engine, built.tokenizer
-        self.limits = EventLimits.of(self.config, self.tasks, built.vocab_rows)
+        self.limits = replace(self.config.limits, vocab_rows=built.vocab_rows)
         if self.runs_model:  # an engine that draws its samples runs no kernels and no environments
             probe(self.engine, self.engine_name)
             rollout = self.config.rollout
@@ -144,7 +145,7 @@ class RolloutWorker:
             last_id, events = await self.bus.tail(WEIGHTS, last_id, block_ms=1000)
             # 0 stands for "nothing new": a serving worker is at version 0 or later
             newest = max((e.version for e in events if isinstance(e, WeightsPublishedEvent)), default=0)
-            if time.monotonic() - polled_at >= self.config.store.poll_interval_s:
+            if time.monotonic() - polled_at >= self.config.weights_poll_s:
                 polled_at = time.monotonic()
                 try:
                     newest = max(newest, await self.store.latest() or 0)
@@ -202,7 +203,7 @@ class RolloutWorker:
             num_env_pending = self.turns.num_pending if self.turns is not None else 0
             num_free = engine.num_free_slots - (self.turns.num_resetting if self.turns is not None else 0)
             if num_free > 0:  # a free slot pulls a whole group; its other samples wait in the engine
-                num_groups = math.ceil(num_free / self.config.trainer.group_size)
+                num_groups = math.ceil(num_free / self.config.group_size)
                 deliveries = await self.bus.consume(self.stream.name, self.stream.group, self.consumer,
                                                     count=num_groups,
                                                     block_ms=0 if engine.has_work or num_env_pending else 200,
@@ -272,7 +273,7 @@ class RolloutWorker:
             self.engine.add(requests)
             return
         assert self.turns is not None
-        faults = self.config.env_faults(group.task)
+        faults = self.config.env_faults.get(group.task)
         for request in requests:  # each joins the engine once its environment has reset
             env = task.make_env()
             if faults is not None:

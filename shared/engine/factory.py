@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jetroll.shared.config.job import JobConfig
-from jetroll.shared.config.rollout import PoolConfig
+from jetroll.shared.config.precision import PrecisionConfig
+from jetroll.shared.config.rollout import PoolConfig, RolloutConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.engine.engine import Engine
 from jetroll.shared.engine.interface import RolloutEngine
@@ -30,9 +30,9 @@ class BuiltEngine:
     vocab_rows: int  # the embedding's rows: every token id an event carries is below it
 
 
-def build_engine(config: JobConfig, pool: PoolConfig, directory: Path) -> BuiltEngine:
-    """`pool`'s engine on the weights in `directory` (a published version)."""
-    rollout = config.rollout
+def build_engine(rollout: RolloutConfig, precision: PrecisionConfig, seed: int, pool: PoolConfig,
+                 directory: Path) -> BuiltEngine:
+    """`pool`'s engine on the weights in `directory` (a published version), decoding in `precision`."""
     name = rollout.engine_of(pool)
     max_batch = pool.max_batch or rollout.max_batch
     if name == "timing":
@@ -46,14 +46,14 @@ def build_engine(config: JobConfig, pool: PoolConfig, directory: Path) -> BuiltE
         if tokenizer.vocab_size > args.vocab_size:
             raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} tokens, the embedding only "
                              f"{args.vocab_size} rows")
-        engine = VllmEngine(directory, args, tokenizer.vocab_size, config.precision.mode, max_batch,
-                            rollout.max_seq_len, seed=config.seed, compile=rollout.compile, device=rollout.device,
+        engine = VllmEngine(directory, args, tokenizer.vocab_size, precision.mode, max_batch,
+                            rollout.max_seq_len, seed=seed, compile=rollout.compile, device=rollout.device,
                             threads=rollout.threads)
         return BuiltEngine(engine, tokenizer, args.vocab_size)
-    model, tokenizer = load_pretrained(directory, config.precision.numerics(),
+    model, tokenizer = load_pretrained(directory, precision.numerics(),
                                        torch_device(rollout.device, "rollout.device"))
     model.share_inference_masters()  # this model never trains: hold its block linears once
-    engine = Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len, seed=config.seed,
+    engine = Engine(model, tokenizer.eos_id, max_batch, rollout.max_seq_len, seed=seed,
                     compile=rollout.compile)
     return BuiltEngine(engine, tokenizer, model.args.vocab_size)
 
