@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jetroll.shared.config.faults import EnvFaults
 from jetroll.shared.config.job import JobConfig
 from jetroll.shared.config.launch import RedisConfig
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.rollout import PoolConfig, RolloutConfig
 from jetroll.shared.protocol.validate import EventLimits
 from jetroll.shared.rl.admission import in_flight_slack
+from jetroll.shared.tasks.entry import EnvFaults
 from jetroll.shared.tasks.registry import TaskSet
 
 

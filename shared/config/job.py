@@ -11,23 +11,23 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from jetroll.shared.config.agent import AgentTaskConfig
-from jetroll.shared.config.base import Strict, TaskMixEntry
-from jetroll.shared.config.dataset import DatasetTaskConfig
-from jetroll.shared.config.faults import EnvFaults
-from jetroll.shared.config.gym import GymTaskConfig
 from jetroll.shared.config.launch import LaunchConfig, RedisConfig
 from jetroll.shared.config.model import ModelConfig
 from jetroll.shared.config.precision import PrecisionConfig
-from jetroll.shared.config.reasoning import ReasoningGymTaskConfig
 from jetroll.shared.config.reward import RewardConfig
 from jetroll.shared.config.rollout import RolloutConfig
 from jetroll.shared.config.staleness import StalenessConfig, eta_hard_of
 from jetroll.shared.config.store import StoreConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.errors import ConfigError
+from jetroll.shared.schema import Strict
+from jetroll.shared.tasks.agent import AgentTaskConfig
 from jetroll.shared.tasks.base import Task
+from jetroll.shared.tasks.dataset import DatasetTaskConfig
+from jetroll.shared.tasks.entry import EnvFaults, TaskMixEntry
 from jetroll.shared.tasks.env import is_multi_turn
+from jetroll.shared.tasks.gym_text import GymTaskConfig
+from jetroll.shared.tasks.reasoning import ReasoningGymTaskConfig
 from jetroll.shared.tasks.registry import TASKS, Rewards, TaskSet
 
 

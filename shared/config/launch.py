@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from jetroll.shared.config.base import Strict
+from jetroll.shared.schema import Strict
 
 
 class RedisConfig(Strict):

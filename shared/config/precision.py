@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jetroll.shared.config.base import Strict
 from jetroll.shared.numerics import BLOCK_LINEARS, MASTERS, Numerics, RefitSource
+from jetroll.shared.schema import Strict
 
 BlockLinear = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

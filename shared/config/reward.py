@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jetroll.shared.config.base import Strict
+from jetroll.shared.schema import Strict
 
 RewardBackendName = Literal["local", "inline", "celery", "lambda"]
 

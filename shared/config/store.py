@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from jetroll.shared.config.base import Strict
+from jetroll.shared.schema import Strict
 
 
 class StoreConfig(Strict):

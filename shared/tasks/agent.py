@@ -16,13 +16,17 @@ from __future__ import annotations
 import inspect
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from jetroll.shared.tasks.base import Problem, import_path
-from jetroll.shared.tasks.dataset import DatasetError, DatasetTask, shard_files
+from pydantic import Field, model_validator
+
+from jetroll.shared.tasks.base import Problem, Task, import_path
+from jetroll.shared.tasks.dataset import DatasetError, DatasetTask, DatasetTaskConfig, shard_files
+from jetroll.shared.tasks.entry import EntryTask, TaskMixEntry
 
 EXTRA = "agents need the `agents` extra: pip install 'jetroll[agents]'"
 ENV_REWARD = "env"  # a task whose reward is this is scored by its environment's (its agent's) own reward
@@ -40,69 +44,115 @@ class AgentResult:
         return self.reward == 1.0 if self.correct is None else self.correct
 
 
-@dataclass(frozen=True)
-class AgentTask:
-    """A `kind: agent` entry of the job's tasks (its schema: shared/config/agent.py): a user's agent on problems from
-    a JSONL file, or the stock loop (`EnvAgent`) on a multi-turn task's environment and problems."""
+class AgentTaskConfig(TaskMixEntry):
+    """An agent program trained through the gateway (`kind: agent`; needs the `agents` extra and a model with a
+    chat template). Its reward is the agent's own. Its task: `AgentTask`."""
 
-    name: str
-    agent_path: str | None = None  # module:function
-    path: str | None = None  # JSONL rows: the question, its answer, and a demonstration for the warm start
-    environment: Any = None  # a registered multi-turn task, played by the stock loop (instead of agent_path and path)
-    max_turns: int = 8  # the stock loop's model turns
-    question_field: str = "question"
-    answer_field: str = "answer"
-    demonstration_field: str = "messages"  # a transcript in OpenAI's message format, assistant turns included
-    demonstration_tools: str | None = None  # module:NAME of the tools the demonstrations used (the agent's)
-    max_new_tokens: int = 96  # the session's budget: sampled turns and the rendered messages between them
-    timeout_s: float = 30.0  # the agent's whole episode, and its session's deadline
+    kind: Literal["agent"] = Field(description="marks an agent task")
+    name: str = Field(min_length=1, description="the task's name in events, metrics and the pools' task lists")
+    agent: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="the agent, `module:function`: `async "
+                              "def run(problem, client: openai.AsyncOpenAI) -> AgentResult | float` (its reward in "
+                              "[0, 1]); or set environment instead")
+    environment: str | None = Field(None, min_length=1, description="instead of an agent: a multi-turn task of the "
+                                    "job or the registry (calculator, a gymnasium entry listed before this one), "
+                                    "played by the stock loop on the gateway, with its problems and solver turns")
+    max_turns: int = Field(8, ge=1, description="the stock loop's model turns (with environment)")
+    path: str | None = Field(None, min_length=1, description="with agent: JSONL problems, a question, its answer "
+                             "and, for the warm start, a demonstration (a transcript in OpenAI's message format)")
+    question_field: str = Field("question", min_length=1, description="the row's question (Problem.prompt)")
+    answer_field: str = Field("answer", min_length=1, description="the row's answer (Problem.answer)")
+    demonstration_field: str = Field("messages", min_length=1, description="the row's demonstration transcript")
+    demonstration_tools: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="the tools the "
+                                            "demonstrations used, `module:NAME` (a list of OpenAI function specs, "
+                                            "the agent's own); None: none")
+    max_new_tokens: int = Field(96, ge=1, description="a session's token budget after its first prompt: sampled "
+                                "turns and the messages rendered between them (capped by rollout.max_new_tokens)")
+    timeout_s: float = Field(30.0, gt=0, description="an episode's deadline: the agent's whole run, and its "
+                             "session's (past it: env status timeout, its group dropped and counted)")
+
+    @model_validator(mode="after")
+    def _runnable(self) -> AgentTaskConfig:
+        try:
+            import aiohttp  # noqa: F401
+            import openai  # noqa: F401
+        except ImportError:
+            raise ValueError(EXTRA) from None
+        if (self.agent is None) == (self.environment is None):
+            raise ValueError(f"agent task {self.name}: set exactly one of agent and environment")
+        if (self.agent is None) != (self.path is None):
+            raise ValueError(f"agent task {self.name}: path (the problems file) goes with agent; an environment "
+                             "brings its own problems")
+        if self.agent is not None:
+            task = self.build(0, {})
+            _ = task.agent, task.tools  # each imports now, or says why it cannot
+        return self
+
+    def build(self, seed: int, known: Mapping[str, Task]) -> AgentTask:
+        """The task this entry describes, in a job of `seed`; `known` holds the tasks an environment may name (the
+        job validated that it names a multi-turn one)."""
+        return AgentTask(self, None if self.environment is None else known[self.environment], seed)
+
+
+@dataclass(frozen=True)
+class AgentTask(EntryTask):
+    """A `kind: agent` entry of the job's tasks: a user's agent on problems from a JSONL file, or the stock loop
+    (`EnvAgent`) on a multi-turn task's environment and problems."""
+
+    entry: AgentTaskConfig
+    environment: Any = None  # the multi-turn task the entry names, played by the stock loop (None: the agent's own)
     seed: int = 0
     reward: str = ENV_REWARD
+
+    @property
+    def timeout_s(self) -> float:
+        return self.entry.timeout_s
 
     @cached_property
     def problems(self) -> Any:
         if self.environment is not None:
             return self.environment
-        assert self.path is not None, "an agent task has a problems file or an environment (the config checks it)"
-        return DatasetTask(name=self.name, path=self.path, reward=ENV_REWARD, answer_field=self.answer_field,
-                           prompt_field=self.question_field, max_new_tokens=self.max_new_tokens, seed=self.seed)
+        entry = self.entry
+        assert entry.path is not None, "an agent task has a problems file or an environment (the config checks it)"
+        return DatasetTask(DatasetTaskConfig(kind="dataset", name=entry.name, path=entry.path, reward=ENV_REWARD,
+                                             answer_field=entry.answer_field, prompt_field=entry.question_field,
+                                             max_new_tokens=entry.max_new_tokens), self.seed)
 
     @cached_property
     def agent(self) -> Any:
         if self.environment is not None:
-            return EnvAgent(self.environment.make_env, self.max_turns)
-        assert self.agent_path is not None
-        found = import_path(self.agent_path, "agent")
+            return EnvAgent(self.environment.make_env, self.entry.max_turns)
+        assert self.entry.agent is not None
+        found = import_path(self.entry.agent, "agent")
         if not inspect.iscoroutinefunction(found):
-            raise ValueError(f"agent {self.agent_path!r} is not a coroutine function: an agent is "
+            raise ValueError(f"agent {self.entry.agent!r} is not a coroutine function: an agent is "
                              "`async def run(problem, client)`")
         return found
 
     @cached_property
     def tools(self) -> list[dict[str, Any]] | None:
-        if self.demonstration_tools is None:
+        if self.entry.demonstration_tools is None:
             return None
-        found = import_path(self.demonstration_tools, "demonstration_tools")
+        found = import_path(self.entry.demonstration_tools, "demonstration_tools")
         if not (isinstance(found, list) and all(isinstance(t, dict) for t in found)):
-            raise ValueError(f"demonstration_tools {self.demonstration_tools!r} is not a list of tool specs")
+            raise ValueError(f"demonstration_tools {self.entry.demonstration_tools!r} is not a list of tool specs")
         return found
 
     @cached_property
     def demonstrations(self) -> dict[str, list[dict[str, Any]]]:
         """question -> the messages of every row of the problems file with a demonstration."""
         shown = {}
-        for path in shard_files(self.path or ""):
+        for path in shard_files(self.entry.path or ""):
             for number, line in enumerate(Path(path).read_text().splitlines(), 1):
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                messages = row.get(self.demonstration_field)
+                messages = row.get(self.entry.demonstration_field)
                 if messages is None:
                     continue
                 if not (isinstance(messages, list) and messages and messages[-1].get("role") == "assistant"):
-                    raise DatasetError(f"{path}:{number}: {self.demonstration_field!r} must be a list of messages "
-                                       "that ends with an assistant turn")
-                shown[str(row[self.question_field])] = messages
+                    raise DatasetError(f"{path}:{number}: {self.entry.demonstration_field!r} must be a list of "
+                                       "messages that ends with an assistant turn")
+                shown[str(row[self.entry.question_field])] = messages
         return shown
 
     def demonstration(self, problem: Problem) -> list[dict[str, Any]]:
@@ -120,8 +170,8 @@ class AgentTask:
     def fingerprint(self) -> str:
         if self.environment is not None:
             fingerprint = getattr(self.environment, "fingerprint", None)
-            return f"{self.max_turns}:" + (fingerprint() if fingerprint else repr(self.environment))
-        return self.problems.fingerprint() + f":{self.demonstration_field}:{json.dumps(self.tools)}"
+            return f"{self.entry.max_turns}:" + (fingerprint() if fingerprint else repr(self.environment))
+        return self.problems.fingerprint() + f":{self.entry.demonstration_field}:{json.dumps(self.tools)}"
 
     def sample(self, rng: random.Random, index: int) -> Problem:
         return self.problems.sample(rng, index)
@@ -142,8 +192,8 @@ class AgentTask:
         """The training problems that have a demonstration (the warm start draws from them, every example)."""
         train = [p for p in self.problems.rows.train if p.prompt in self.demonstrations]
         if not train:
-            raise DatasetError(f"agent task {self.name}: no training row of {self.path} has a "
-                               f"{self.demonstration_field!r} demonstration to warm-start on")
+            raise DatasetError(f"agent task {self.name}: no training row of {self.entry.path} has a "
+                               f"{self.entry.demonstration_field!r} demonstration to warm-start on")
         return train
 
     def sft_completion(self, problem: Problem) -> str:

@@ -15,15 +15,18 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
 
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.seeds import derive_seed
-from jetroll.shared.tasks.base import Problem, Split
+from jetroll.shared.tasks.base import Problem, Split, Task
+from jetroll.shared.tasks.entry import EntryTask, TaskMixEntry
 
 log = logging.getLogger(__name__)
 
@@ -57,31 +60,63 @@ class Rows:
     heldout_overlap: int  # training-file rows dropped because their prompt is in the held-out file
 
 
-@dataclass(frozen=True)
-class DatasetTask:
-    """A `kind: dataset` entry of the job's `tasks` (its schema and builder: shared/config/dataset.py's
-    `DatasetTaskConfig`), built into the job's TaskSet at each service's entry."""
+class DatasetTaskConfig(TaskMixEntry):
+    """A task read from a file (`kind: dataset`): prompts or chat messages, and answers, in JSONL or Parquet
+    (Parquet needs the `data` extra), scored by a reward from the registry. Its task: `DatasetTask`."""
 
-    name: str
-    path: str
-    reward: str
-    answer_field: str
-    prompt_field: str | None = None
-    messages_field: str | None = None
-    solution_field: str | None = None
-    heldout_path: str | None = None
-    heldout_fraction: float = 0.1
-    probe_fraction: float = 0.05
-    max_new_tokens: int = 64
+    kind: Literal["dataset"] = Field(description="marks a task read from files (the other kind: `registered`)")
+    name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
+    path: str = Field(min_length=1, description="a .jsonl or .parquet file, or a directory of such shards (read "
+                      "in name order)")
+    prompt_field: str | None = Field("prompt", description="the row's prompt text (None: use messages_field)")
+    messages_field: str | None = Field(None, description="the row's chat messages, a list of {role, content}, "
+                                       "rendered by the model's chat template (needs model.chat_template: true)")
+    answer_field: str = Field("answer", min_length=1, description="the answer the reward scores against")
+    solution_field: str | None = Field(None, description="a worked solution, the warm start's target (None: the "
+                                       "answer)")
+    reward: str = Field(min_length=1, description="a reward by name: math, code, exact_match, token_f1, ... or "
+                        "one from reward.modules")
+    heldout_path: str | None = Field(None, description="a held-out file (or directory); None: heldout_fraction "
+                                     "of path's rows, chosen by a hash of the prompt")
+    heldout_fraction: float = Field(0.1, gt=0, lt=1, description="share of rows held out when heldout_path is "
+                                    "None")
+    probe_fraction: float = Field(0.05, ge=0, lt=1, description="share of the training file kept out of "
+                                  "training as the warm start's probe set")
+    max_new_tokens: int = Field(64, ge=1, description="generation budget of a completion (capped by "
+                                "rollout.max_new_tokens)")
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> DatasetTaskConfig:
+        if (self.prompt_field is None) == (self.messages_field is None):
+            raise ValueError(f"dataset task {self.name}: set exactly one of prompt_field and messages_field")
+        if self.heldout_path is None and self.heldout_fraction + self.probe_fraction >= 1:
+            raise ValueError(f"dataset task {self.name}: heldout_fraction + probe_fraction must leave rows to train "
+                             "on")
+        return self
+
+    def build(self, seed: int, known: Mapping[str, Task]) -> DatasetTask:
+        """The task this entry describes, in a job of `seed` (its files are read on first use)."""
+        return DatasetTask(self, seed)
+
+
+@dataclass(frozen=True)
+class DatasetTask(EntryTask):
+    """A `kind: dataset` entry of the job's `tasks`, built into the job's TaskSet at each service's entry."""
+
+    entry: DatasetTaskConfig
     seed: int = 0  # the job's seed: it orders the epochs
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def reward(self) -> str:
+        return self.entry.reward
 
     @cached_property
     def rows(self) -> Rows:
         """Read, validate and split every row (once per process); DatasetError when a split ends up empty."""
-        files = shard_files(self.path)
+        files = shard_files(self.entry.path)
         good, bad = self._read(files)
-        heldout_files = shard_files(self.heldout_path) if self.heldout_path is not None else []
+        heldout_files = shard_files(self.entry.heldout_path) if self.entry.heldout_path is not None else []
         splits: dict[Split, list[Problem]] = {"train": [], "probe": [], "heldout": []}
         overlap = 0
         if heldout_files:  # the file is the held-out split; the training file keeps none of its prompts
@@ -90,29 +125,30 @@ class DatasetTask:
             held = {_key(p) for p in splits["heldout"]}
             kept = [p for p in good if _key(p) not in held]
             overlap, good = len(good) - len(kept), kept
-        heldout_fraction = 0.0 if heldout_files else self.heldout_fraction
+        heldout_fraction = 0.0 if heldout_files else self.entry.heldout_fraction
         for problem in good:
-            splits[_split(problem, heldout_fraction, self.probe_fraction)].append(problem)
+            splits[_split(problem, heldout_fraction, self.entry.probe_fraction)].append(problem)
         train, probe, heldout = splits["train"], splits["probe"], splits["heldout"]
         for row in bad[:MAX_LOGGED_BAD_ROWS]:
             log.warning("dataset task %s: skipped bad row %s", self.name, row)
         if len(bad) > MAX_LOGGED_BAD_ROWS:
             log.warning("dataset task %s: ... and %d more bad rows", self.name, len(bad) - MAX_LOGGED_BAD_ROWS)
         if not train:
-            raise DatasetError(f"dataset task {self.name}: no good training row in {self.path} ({len(bad)} bad "
+            raise DatasetError(f"dataset task {self.name}: no good training row in {self.entry.path} ({len(bad)} bad "
                                "rows; the first: " + (str(bad[0]) if bad else "none") + ")")
         if not heldout:
             raise DatasetError(f"dataset task {self.name}: the held-out split is empty ("
-                               + (f"{self.heldout_path} has no good row" if self.heldout_path
-                                  else f"heldout_fraction {self.heldout_fraction} of {len(good)} rows") + ")")
+                               + (f"{self.entry.heldout_path} has no good row" if self.entry.heldout_path
+                                  else f"heldout_fraction {self.entry.heldout_fraction} of {len(good)} rows") + ")")
         return Rows(train, probe, heldout, bad, files + heldout_files, overlap)
 
     def fingerprint(self) -> str:
         """sha256 of the spec and the files' bytes: what a warm start on this data depends on."""
-        digest = hashlib.sha256(repr((self.path, self.answer_field, self.prompt_field, self.messages_field,
-                                      self.solution_field, self.heldout_path, self.heldout_fraction,
-                                      self.probe_fraction)).encode())
-        for path in [*shard_files(self.path), *(shard_files(self.heldout_path) if self.heldout_path else [])]:
+        spec = self.entry
+        digest = hashlib.sha256(repr((spec.path, spec.answer_field, spec.prompt_field, spec.messages_field,
+                                      spec.solution_field, spec.heldout_path, spec.heldout_fraction,
+                                      spec.probe_fraction)).encode())
+        for path in [*shard_files(spec.path), *(shard_files(spec.heldout_path) if spec.heldout_path else [])]:
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
         return digest.hexdigest()[:16]
 
@@ -156,30 +192,30 @@ class DatasetTask:
 
     def _problem(self, row: dict[str, Any]) -> Problem | str:
         """The row's problem, or why it is bad."""
-        answer = row.get(self.answer_field)
+        answer = row.get(self.entry.answer_field)
         if answer is None:
-            return f"no {self.answer_field!r} field"
+            return f"no {self.entry.answer_field!r} field"
         if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
-            return f"{self.answer_field!r} must be a non-empty string or a number, got {answer!r:.60}"
+            return f"{self.entry.answer_field!r} must be a non-empty string or a number, got {answer!r:.60}"
         solution = None
-        if self.solution_field is not None:
-            solution = row.get(self.solution_field)
+        if self.entry.solution_field is not None:
+            solution = row.get(self.entry.solution_field)
             if not isinstance(solution, str) or not solution.strip():
-                return f"{self.solution_field!r} must be a non-empty string, got {solution!r:.60}"
-        if self.messages_field is not None:
-            messages = row.get(self.messages_field)
+                return f"{self.entry.solution_field!r} must be a non-empty string, got {solution!r:.60}"
+        if self.entry.messages_field is not None:
+            messages = row.get(self.entry.messages_field)
             if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages):
-                return f"{self.messages_field!r} must be a non-empty list of {{role, content}} strings"
+                return f"{self.entry.messages_field!r} must be a non-empty list of {{role, content}} strings"
             users = [m["content"] for m in messages if m["role"] == "user"]
             if not users:
-                return f"{self.messages_field!r} has no user message"
+                return f"{self.entry.messages_field!r} has no user message"
             pairs = tuple((m["role"], m["content"]) for m in messages)
             return Problem(prompt=users[-1], answer=str(answer), messages=pairs, solution=solution)
-        prompt = row.get(self.prompt_field or "")
+        prompt = row.get(self.entry.prompt_field or "")
         if not isinstance(prompt, str) or not prompt.strip():
-            return f"{self.prompt_field!r} must be a non-empty string, got {prompt!r:.60}"
+            return f"{self.entry.prompt_field!r} must be a non-empty string, got {prompt!r:.60}"
         return Problem(prompt=prompt, answer=str(answer), solution=solution)
 
 

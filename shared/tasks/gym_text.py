@@ -15,10 +15,14 @@ from __future__ import annotations
 import json
 import random
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
-from jetroll.shared.tasks.base import DrawnTask, Problem, import_path
+from pydantic import Field, model_validator
+
+from jetroll.shared.tasks.base import DrawnTask, Problem, Task, import_path
+from jetroll.shared.tasks.entry import EntryTask, EnvFaults, TaskMixEntry
 from jetroll.shared.tasks.env import EnvStep
 
 EXTRA = "gymnasium needs the `gym` extra: pip install 'jetroll[gym]'"
@@ -214,45 +218,82 @@ class GymProblem:
         return 0.0, False
 
 
+class GymTaskConfig(TaskMixEntry):
+    """A registered gymnasium environment with a text adapter (`kind: gymnasium`; needs the `gym` extra)."""
+
+    kind: Literal["gymnasium"] = Field(description="marks a gymnasium environment")
+    name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
+    env_id: str = Field("FrozenLake-v1", description="a gymnasium env id (`module:EnvId` imports the module that "
+                        f"registers it first); built-in text adapters: {sorted(ADAPTERS)}")
+    adapter: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="your own text adapter, `module:Class` "
+                                "(shared/tasks/gym_text.py's TextAdapter: draw, make, render, action, solution); "
+                                "None: the env id's built-in one")
+    options: dict[str, Any] = Field(default_factory=dict, description="the text adapter's options (FrozenLake-v1: "
+                                    "size, the map's side, 4 by default; frozen_prob, a cell's chance to be "
+                                    "frozen, 0.8)")
+    max_turns: int = Field(10, ge=1, description="model turns before an episode ends unsolved")
+    env_faults: EnvFaults | None = Field(None, description="the environment made slow and flaky on purpose: "
+                                         "{delay_s, failure_rate}")
+    max_new_tokens: int = Field(96, ge=1, description="generation budget of an episode, observations included "
+                                "(capped by rollout.max_new_tokens)")
+
+    @model_validator(mode="after")
+    def _runnable(self) -> GymTaskConfig:
+        gymnasium()  # a missing extra fails here, in one line naming it
+        text_adapter(self.env_id, self.options, self.adapter)  # the adapter takes its options
+        return self
+
+    def build(self, seed: int, known: Mapping[str, Task]) -> GymTask:
+        """The task this entry describes."""
+        return GymTask(self)
+
+
 @dataclass(frozen=True)
-class GymTask(DrawnTask):
+class GymTask(EntryTask, DrawnTask):
     """A gymnasium environment as a multi-turn task: the prompt is the problem's options (a FrozenLake map) and the
     first observation; the answer (`GymProblem`) makes the environment and its reward again."""
 
     splits_seed: ClassVar[str] = "gymnasium"
-    name: str
-    env_id: str
-    adapter_options: tuple[tuple[str, Any], ...] = ()
-    adapter_path: str | None = None  # a user's adapter, `module:Class`; None: the env id's built-in one
+    entry: GymTaskConfig
     reward: str = "gymnasium"
-    max_turns: int = 10
-    max_new_tokens: int = 96
     turn_end: str = "\n"
     adapter: TextAdapter = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "adapter", text_adapter(self.env_id, dict(self.adapter_options), self.adapter_path))
+        adapter = text_adapter(self.entry.env_id, dict(self.adapter_options), self.adapter_path)
+        object.__setattr__(self, "adapter", adapter)
+
+    @property
+    def adapter_options(self) -> tuple[tuple[str, Any], ...]:
+        """The adapter's options, sorted: what a problem and the fingerprint carry."""
+        return tuple(sorted(self.entry.options.items()))
+
+    @property
+    def adapter_path(self) -> str | None:
+        """A user's adapter, `module:Class`; None: the env id's built-in one."""
+        return self.entry.adapter
 
     def _draw(self, rng: random.Random) -> tuple[str]:
         return (self.adapter.draw(rng),)
 
     def key(self, options: str) -> str:
-        return f"{self.env_id}:{options}"
+        return f"{self.entry.env_id}:{options}"
 
     def make(self, options: str) -> Problem:
-        env = GymEnv(self.adapter, self.turn_end, self.max_turns)
+        env = GymEnv(self.adapter, self.turn_end, self.entry.max_turns)
         env.start(options)
-        problem = GymProblem(self.env_id, options, dict(self.adapter_options), self.max_turns, self.adapter_path)
+        problem = GymProblem(self.entry.env_id, options, dict(self.adapter_options), self.entry.max_turns,
+                             self.adapter_path)
         prompt = self.adapter.prompt(options, self.adapter.render(env.env, env.observation))
         return Problem(prompt=prompt + self.turn_end, answer=problem.answer())
 
     def fingerprint(self) -> str:
         """What a warm start on this task depends on: its definition, a built-in adapter's defaults spelled out."""
         adapter = repr(self.adapter) if self.adapter_path is None else [self.adapter_path, self.adapter_options]
-        return json.dumps([self.env_id, adapter, self.max_turns, self.max_new_tokens, self.turn_end])
+        return json.dumps([self.entry.env_id, adapter, self.entry.max_turns, self.max_new_tokens, self.turn_end])
 
     def make_env(self) -> GymEnv:
-        return GymEnv(self.adapter, self.turn_end, self.max_turns)
+        return GymEnv(self.adapter, self.turn_end, self.entry.max_turns)
 
     def sft_turns(self, problem: Problem) -> list[tuple[str, str]]:
         """The shortest path, each move with the observation the environment gives after it."""

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
-from jetroll.shared.tasks.base import Problem, Split, split_of
+from pydantic import Field, model_validator
+
+from jetroll.shared.tasks.base import Problem, Split, Task, split_of
+from jetroll.shared.tasks.entry import EntryTask, TaskMixEntry
 
 EXTRA = "reasoning-gym needs the `reasoning` extra: pip install 'jetroll[reasoning]'"
 SPLIT_SEED = 1_000_003  # the held-out and probe entries' dataset seed, the same in every job
@@ -65,18 +69,47 @@ class EntryRef:
         return float(data.score_answer(answer=completion.strip(), entry=data[self.index]))
 
 
+class ReasoningGymTaskConfig(TaskMixEntry):
+    """A reasoning-gym dataset (`kind: reasoning_gym`; needs the `reasoning` extra), scored by its own
+    `score_answer`. Its prompts are English with capitals: the model needs a byte-level tokenizer."""
+
+    kind: Literal["reasoning_gym"] = Field(description="marks a reasoning-gym dataset")
+    name: str = Field(min_length=1, description="the task's name in events, metrics and reward.task_backends")
+    dataset: str = Field(min_length=1, description="a reasoning-gym dataset name (leg_counting, basic_arithmetic, "
+                         "...), as `reasoning_gym.create_dataset` takes it")
+    options: dict[str, Any] = Field(default_factory=dict, description="the dataset's config (its difficulty)")
+    max_new_tokens: int = Field(32, ge=1, description="generation budget of a completion (capped by "
+                                "rollout.max_new_tokens)")
+
+    @model_validator(mode="after")
+    def _runnable(self) -> ReasoningGymTaskConfig:
+        reasoning_gym()  # a missing extra fails here, in one line naming it
+        try:
+            json.dumps(self.options)
+            reasoning_gym().create_dataset(self.dataset, seed=0, size=1, **self.options)[0]
+        except Exception as exc:  # reasoning-gym's own message names what is wrong
+            raise ValueError(f"reasoning_gym task {self.name}: {type(exc).__name__}: {exc}") from None
+        return self
+
+    def build(self, seed: int, known: Mapping[str, Task]) -> ReasoningGymTask:
+        """The task this entry describes, in a job of `seed`."""
+        return ReasoningGymTask(self, seed)
+
+
 @dataclass(frozen=True)
-class ReasoningGymTask:
-    name: str
-    dataset: str
-    options: tuple[tuple[str, Any], ...] = ()
+class ReasoningGymTask(EntryTask):
+    entry: ReasoningGymTaskConfig
     seed: int = 0  # the job's: its training entries' dataset
     size: int = 100_000  # entries a split draws from
     reward: str = "reasoning_gym"
-    max_new_tokens: int = 32
+
+    @property
+    def options(self) -> tuple[tuple[str, Any], ...]:
+        """The dataset's config, sorted: what its fingerprint and entries are keyed on."""
+        return tuple(sorted(self.entry.options.items()))
 
     def _ref(self, seed: int, index: int) -> EntryRef:
-        return EntryRef(self.dataset, json.dumps(dict(self.options), sort_keys=True), seed, self.size, index)
+        return EntryRef(self.entry.dataset, json.dumps(dict(self.options), sort_keys=True), seed, self.size, index)
 
     def _problem(self, ref: EntryRef) -> tuple[Problem, Split]:
         question = ref.entry()["question"]
@@ -110,7 +143,7 @@ class ReasoningGymTask:
 
     def fingerprint(self) -> str:
         """What a warm start on this task depends on: its definition, without the job's seed (sft_sample's own)."""
-        return json.dumps([self.dataset, self.options, self.size, self.max_new_tokens])
+        return json.dumps([self.entry.dataset, self.options, self.size, self.max_new_tokens])
 
     def sft_completion(self, problem: Problem) -> str:
         return str(EntryRef.parse(problem.answer).entry()["answer"])

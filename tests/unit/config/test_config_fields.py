@@ -58,6 +58,8 @@ class FieldReads:
                 if isinstance(function, types.FunctionType) and not attr.startswith("__"):
                     returned = typing.get_type_hints(function, vars(sys.modules[cls.__module__])).get("return")
                     self.method_types[name][attr] = {sub.__name__ for sub, _ in models_in(returned)}
+        self.config_names = set(classes)
+        self.class_defs: dict[str, ast.ClassDef] = {}  # the package's classes, for the methods a subclass inherits
         self.function_types: dict[str, set[str]] = {}
         # by where they happen: None outside config classes, else (config class, method); a method's reads count
         # once the method itself is used
@@ -65,6 +67,8 @@ class FieldReads:
 
     def scan(self, sources: dict[str, str]) -> set[tuple[str, str]]:
         trees = {path: ast.parse(text, path) for path, text in sources.items()}
+        for tree in trees.values():
+            self._holders(tree)
         for tree in trees.values():  # functions anywhere that return a config class (load_config, ...)
             for node in ast.walk(tree):
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
@@ -80,6 +84,21 @@ class FieldReads:
                     todo.append(read)
         return used
 
+    def _holders(self, tree: ast.Module) -> None:
+        """Classes of the package whose fields hold config sections (a service's own sections, resolved at its
+        entry): their fields, and their methods' return types, are typed as a config class's are."""
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or node.name in self.config_names:
+                continue
+            self.class_defs[node.name] = node
+            fields = {stmt.target.id: self._annotation(stmt.annotation) for stmt in node.body
+                      if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+            if any(fields.values()):
+                self.field_types[node.name] = {name: types_ for name, types_ in fields.items() if types_}
+                self.method_types[node.name] = {
+                    stmt.name: self._annotation(stmt.returns) for stmt in node.body
+                    if isinstance(stmt, ast.FunctionDef) and stmt.returns is not None}
+
     # ---- annotations and expressions
     def _annotation(self, node: ast.expr | None) -> set[str]:
         if node is None:
@@ -93,6 +112,9 @@ class FieldReads:
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in ("list", "tuple"):
             element = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
             return {f"list:{t}" for t in self._annotation(element)}
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "dict"
+                and isinstance(node.slice, ast.Tuple)):
+            return {f"dict:{t}" for t in self._annotation(node.slice.elts[1])}
         return set()
 
     def _resolve(self, node: ast.expr, names: dict[str, set[str]], owner: dict[str, set[str]]) -> set[str]:
@@ -118,6 +140,10 @@ class FieldReads:
                     if isinstance(func.value, ast.Name) and func.value.id in self.field_types:
                         return {func.value.id}
                     return self._resolve(func.value, names, owner)
+                if func.attr == "get":  # a dict of config values
+                    return {t[5:] for t in self._resolve(func.value, names, owner) if t.startswith("dict:")}
+                if isinstance(func.value, ast.Name) and func.value.id in self.field_types:  # `Sections.of(...)`
+                    return set(self.method_types[func.value.id].get(func.attr, set()))
                 found = set(self.function_types.get(func.attr, set())) if isinstance(func.value, ast.Name) else set()
                 for cls in self._resolve(func.value, names, owner):
                     found |= self.method_types.get(cls, {}).get(func.attr, set())
@@ -128,7 +154,7 @@ class FieldReads:
         if isinstance(node, ast.IfExp):
             return self._resolve(node.body, names, owner) | self._resolve(node.orelse, names, owner)
         if isinstance(node, ast.Subscript):
-            return {t[5:] for t in self._resolve(node.value, names, owner) if t.startswith("list:")}
+            return {t[5:] for t in self._resolve(node.value, names, owner) if t.startswith(("list:", "dict:"))}
         if isinstance(node, ast.NamedExpr):
             return self._resolve(node.value, names, owner)
         return set()
@@ -201,6 +227,11 @@ class FieldReads:
                 if types_ := self._annotation(stmt.annotation):
                     self_attrs.setdefault(stmt.target.id, set()).update(types_)
         methods = [s for s in node.body if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef)]
+        own = {m.name for m in methods}
+        for base in node.bases:  # an inherited method reads the fields as this class types them
+            if isinstance(base, ast.Name) and base.id in self.class_defs:
+                methods += [s for s in self.class_defs[base.id].body
+                            if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef) and s.name not in own]
         for _ in range(2):  # a method may bind self.x from another's self.y
             for method in methods:
                 self._function(method, module_names, self_attrs, node.name, record=False)
@@ -214,7 +245,7 @@ class FieldReads:
         if decorators & VALIDATORS:
             return
         names = {k: set(v) for k, v in module_names.items()}
-        if class_name in self.field_types:
+        if class_name in self.config_names:  # a config method's reads count once it is used; a holder's at once
             names["self"] = {class_name}
         self._bindings([node], names, self_attrs, self_attrs if class_name is not None else None)
         if record:
@@ -276,11 +307,23 @@ def test_the_matcher_types_the_receiver() -> None:
         "    def g(self):\n        return getattr(self.config.rollout, 'max_new_tokens')\n",
         "def f():\n    return load_config('x.yaml').rollout.max_new_tokens\n"
         "def load_config(path) -> JobConfig: ...\n",
+        # through a service's sections, resolved at its entry
+        "class Sections:\n    rollout: RolloutConfig\n    @classmethod\n"
+        "    def of(cls, config: JobConfig) -> Sections: ...\n"
+        "class Worker:\n    def __init__(self, job: JobConfig):\n        self.config = Sections.of(job)\n"
+        "    def g(self):\n        return self.config.rollout.max_new_tokens\n",
     ]
     for source in read:
         assert field in reads_in(source), source
     pools = "def f(config: JobConfig):\n    return [(i, p.labels) for i, p in enumerate(config.rollout.pools)]\n"
     assert ("PoolConfig", "labels") in reads_in(pools)
+    inherited = ("class Named:\n    entry: Any\n    @property\n    def budget(self):\n"
+                 "        return self.entry.max_new_tokens\n"
+                 "class Kind(Named):\n    entry: RolloutConfig\n")
+    assert ("RolloutConfig", "max_new_tokens") in reads_in(inherited)  # typed by the subclass's field
+    faults = ("class Sections:\n    env_faults: dict[str, EnvFaults]\n"
+              "def f(sections: Sections, task: str):\n    return sections.env_faults.get(task).delay_s\n")
+    assert ("EnvFaults", "delay_s") in reads_in(faults)
 
 
 def test_a_field_read_nowhere_is_reported() -> None:

@@ -12,12 +12,11 @@ import pytest
 
 from jetroll.functions.builtin import gymnasium_reward
 from jetroll.functions.scoring import job_tasks
-from jetroll.shared.config.gym import GymTaskConfig
 from jetroll.shared.config.job import validate_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import build_char_tokenizer
 from jetroll.shared.tasks.env import EnvStep, is_multi_turn
-from jetroll.shared.tasks.gym_text import GymProblem, GymTask
+from jetroll.shared.tasks.gym_text import GymProblem, GymTask, GymTaskConfig
 from jetroll.shared.warm_start import config_hash
 
 pytest.importorskip("gymnasium", reason="kind: gymnasium needs the gym extra")
