@@ -1,7 +1,9 @@
 """The trainer: complete groups in, one optimizer step and one published weight version out, per step.
 
-The loop is this file; the intake (`intake.py`) brings the groups, the actor (`actor.py`) steps on them, and the
-commit (`commit.py`) makes each step durable and publishes its weights while the next step computes."""
+The loop is this file; the intake (`intake.py`) brings the groups, the actor (`actor.py`) steps on them, the
+precision mismatch sampler (`mismatch.py`) hooks around each step, and the commit (`commit.py`) makes each step
+durable and publishes its weights while the next step computes. Each part reads only the trainer's own config
+(`sections.py`), resolved here from the job's."""
 
 from __future__ import annotations
 

@@ -290,17 +290,17 @@ def test_bench_peers_without_trl_fails_in_one_line(tmp_path: Path) -> None:
                                                "'jetroll[peers]'"]
 
 
-AGENTIC_SMOKE = ["bench", "agentic", "--json", "--seeds", "1", "--max-steps", "4", "--set", "model.num_layers=1",
+AGENTIC_SMOKE = ["bench", "agentic", "--json", "--seeds", "1", "--max-steps", "6", "--set", "model.num_layers=1",
                  "--set", "model.warm_start.max_steps=4", "--set", "model.warm_start.target_band=null",
                  "--set", "model.warm_start.probe_problems=8", "--set", "eval.num_problems=8",
-                 "--set", "eval.every_steps=2", "--set", "trainer.groups_per_step=3", "--set", "trainer.group_size=2",
+                 "--set", "eval.every_steps=3", "--set", "trainer.groups_per_step=3", "--set", "trainer.group_size=2",
                  "--set", "rollout.compile=false", "--set", "tasks.1.env_faults.delay_s=0.05"]
 
 
 @pytest.mark.slow
 def test_bench_agentic_json_smoke_and_resume(tmp_path: Path) -> None:
-    """4 steps of the multi-environment job per cell, pipeline, barrier and TRL, flaky on and off, from one base:
-    every cell trains every task, the barrier runs one pool in sync mode, the flaky pool counts its episodes and
+    """6 steps of the multi-environment job per cell (the bench measures those after its 5 warm-up steps), pipeline,
+    barrier and TRL, flaky on and off, from one base: every cell trains every task, the barrier runs one pool in sync mode, the flaky pool counts its episodes and
     set-up share (TRL's single loop too), and a second call runs nothing again."""
     pytest.importorskip("gymnasium")
     pytest.importorskip("reasoning_gym")
@@ -310,9 +310,9 @@ def test_bench_agentic_json_smoke_and_resume(tmp_path: Path) -> None:
     assert [(r["arm"], r["flaky"]) for r in rows] == [("pipeline", True), ("barrier", True), ("trl", True),
                                                       ("pipeline", False), ("barrier", False), ("trl", False)]
     for row in rows:
-        assert row["steps"] == 4 and row["trajectories_per_s"] > 0 and 0 <= row["trainer_idle_frac"] <= 1
+        assert row["steps"] == 6 and row["trajectories_per_s"] > 0 and 0 <= row["trainer_idle_frac"] <= 1
         assert set(row["trajectories_per_s_by_task"]) == {"frozenlake", "calculator", "chain_sum"}
-        assert [e["version"] for e in row["evals"]] == [0, 2, 4]
+        assert [e["version"] for e in row["evals"]] == [0, 3, 6]
         assert ("staleness.mode=sync" in row["overrides"]) == (row["arm"] == "barrier")
     pipeline_flaky, barrier_flaky, trl_flaky, pipeline_steady, _, trl_steady = rows
     assert set(pipeline_flaky["pools"]) == {"lake", "tools", "sums"} and set(barrier_flaky["pools"]) == {"default"}
@@ -321,11 +321,11 @@ def test_bench_agentic_json_smoke_and_resume(tmp_path: Path) -> None:
     assert "tasks.1.env_faults=null" in pipeline_steady["overrides"]
     # TRL's loop: every sample of every step, an episode with its environment for each multi-turn one
     for row, name in ((trl_flaky, "trl-flaky-s0"), (trl_steady, "trl-steady-s0")):
-        assert set(row["pools"]) == {"trl"} and row["steps"] == 4
+        assert set(row["pools"]) == {"trl"} and row["steps"] == 6
         by_task = Counter()
         for line in (tmp_path / "bench" / name / "rollouts.jsonl").read_text().splitlines():
             by_task.update(json.loads(line)["by_task"])
-        assert sum(by_task.values()) == 4 * 3 * 2
+        assert sum(by_task.values()) == 6 * 3 * 2
         pool = row["pools"]["trl"]
         assert pool["env_episodes/ok"] + pool.get("env_episodes/failed", 0) == by_task["frozenlake"] + by_task[
             "calculator"] > 0
