@@ -15,8 +15,8 @@ $(VENV)/.vllm: $(VENV)/.installed
 demo: setup  ## README command 1: the default arithmetic RL job, end to end
 	$(BIN)/jetroll run configs/arithmetic.yaml
 
-test: setup $(VENV)/.vllm  ## README command 2: the whole suite, slow end-to-end tests included
-	$(BIN)/pytest -q
+test: setup $(VENV)/.vllm  ## README command 2: the whole suite, slow end-to-end tests included, on both cores (a module per worker)
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 test-fast: setup $(VENV)/.vllm  ## the fast tier: no job, bench or eval subprocess (tests/tiers.py), on both cores
 	$(BIN)/pytest -q -m "not slow and not job" -n 2 --dist loadfile
