@@ -300,8 +300,9 @@ AGENTIC_SMOKE = ["bench", "agentic", "--json", "--seeds", "1", "--max-steps", "6
 @pytest.mark.slow
 def test_bench_agentic_json_smoke_and_resume(tmp_path: Path) -> None:
     """6 steps of the multi-environment job per cell (the bench measures those after its 5 warm-up steps), pipeline,
-    barrier and TRL, flaky on and off, from one base: every cell trains every task, the barrier runs one pool in sync mode, the flaky pool counts its episodes and
-    set-up share (TRL's single loop too), and a second call runs nothing again."""
+    barrier and TRL, flaky on and off, from one base: every cell trains every task, the barrier runs one pool in
+    sync mode, the flaky pool counts its episodes and set-up share (TRL's single loop too), and a second call runs
+    nothing again."""
     pytest.importorskip("gymnasium")
     pytest.importorskip("reasoning_gym")
     cmd = [*JETROLL, *AGENTIC_SMOKE, "--run-dir", str(tmp_path / "bench")]
