@@ -102,11 +102,6 @@ class JobConfig(Strict):
         return eta_hard_of(self.task_eta(task))
 
     @property
-    def max_eta_hard(self) -> int:
-        """The largest lag any trained token may have."""
-        return max(self.task_eta_hard(entry.name) for entry in self.tasks)
-
-    @property
     def has_agents(self) -> bool:
         """Whether a task is an agent's: then every pool runs environment workers (`rollout.pools[].env_workers`)."""
         return any(isinstance(task, AgentTaskConfig) for task in self.tasks)

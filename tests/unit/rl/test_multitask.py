@@ -10,6 +10,7 @@ from factories import sample_with_versions as trajectory
 from factories import scored
 
 from jetroll.services.controller.routing import route_tasks, task_profile
+from jetroll.services.trainer.sections import TrainerSections
 from jetroll.shared.config.job import load_config
 from jetroll.shared.errors import ConfigError
 from jetroll.shared.model.tokenizer import build_char_tokenizer
@@ -46,7 +47,8 @@ def test_a_task_with_its_own_staleness_bound_gets_its_room_and_its_slack() -> No
     against 4), so the trainer's one query at the job's eta_hard finds its groups 8 versions later."""
     config = load_config(None, ["tasks=[{name: arithmetic, weight: 3}, {name: count, weight: 1, max_staleness: 6}]",
                                 "trainer.groups_per_step=4"])
-    assert [config.task_eta(t) for t in ("arithmetic", "count")] == [2, 6] and config.max_eta_hard == 12
+    assert [config.task_eta(t) for t in ("arithmetic", "count")] == [2, 6]
+    assert TrainerSections.of(config, config.build_tasks()).max_eta_hard == 12
     assert in_flight_caps(config) == {"arithmetic": 9, "count": 7}
     assert admission_window(config) == 12 + 4  # (2 + 1) * 4, and count's quarter of 4 more versions of 4
     assert in_flight_slack(config) == {"arithmetic": 0, "count": 8}
