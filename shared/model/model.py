@@ -361,6 +361,13 @@ class CausalLM(nn.Module):
         fused = {id(lin) for weights in found if len(weights.linears) > 1 for lin in weights.linears}
         return [weights for weights in found if len(weights.linears) > 1 or id(weights.linears[0]) not in fused]
 
+    def mark_weights_changed(self) -> None:
+        """The weights changed (an optimizer step, a loaded state): every cached rounding is stale, even one whose
+        tensor kept its address and version counter."""
+        for module in self.modules():
+            if isinstance(module, PrecisionLinear):
+                module.generation += 1
+
     def release_inference_weights(self) -> None:
         """Drop every inference GEMM weight's rounded and packed copies; the next no-grad forward rebuilds them."""
         for weights in self.inference_weights():

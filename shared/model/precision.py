@@ -183,7 +183,8 @@ class InferenceWeights:
 
     def _key(self) -> tuple[int, ...]:
         tensors = [t for lin in self.linears for t in (lin.weight, lin.bias) if t is not None]
-        return tuple(x for t in tensors for x in (t.data_ptr(), t._version))
+        generations = tuple(lin.generation for lin in self.linears)
+        return generations + tuple(x for t in tensors for x in (t.data_ptr(), t._version))
 
     def release(self) -> None:
         """Drop the rounded and packed copies (the next forward rebuilds them): a trainer's no-grad pass uses a
@@ -248,12 +249,20 @@ class PrecisionLinear(nn.Linear):
         self.precision = config
         self.name = name
         self.fmt: Format = config.linear_format(name)
-        self._fp8: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None  # (weight key, q, scale_inv)
+        self._fp8: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None  # (weight key, q, scale_inv)
+        # bumped by `CausalLM.mark_weights_changed`: FSDP2 all-gathers a step's new weights into the same buffer
+        # without bumping its version counter, so (data_ptr, _version) alone would keep the last step's e4m3 copy
+        self.generation = 0
         # rollout decodes many steps per weight version: round (and pack) once per version of the tensor
         self.inference = InferenceWeights(self)
 
-    def _weight_key(self) -> tuple[int, int]:
-        return self.weight.data_ptr(), self.weight._version
+    def _weight_key(self) -> tuple[int, ...]:
+        return self.generation, self.weight.data_ptr(), self.weight._version
+
+    def release(self) -> None:
+        """Drop this linear's e4m3 copy and its GEMM copies: a sharded block's are rebuilt at its next forward."""
+        self._fp8 = None
+        self.inference.release()
 
     def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """e4m3 values [out, in] and fp32 scale_inv [ceil(out / b), ceil(in / b)] of the current master weight."""

@@ -17,6 +17,7 @@ import torch
 from jetroll.shared.config.precision import PrecisionConfig
 from jetroll.shared.config.trainer import TrainerConfig
 from jetroll.shared.model import exact
+from jetroll.shared.rl.ranks import ONE_RANK, Ranks
 
 
 def group_advantages(rewards: torch.Tensor, kind: Literal["grpo", "dr_grpo"] = "grpo") -> torch.Tensor:
@@ -62,13 +63,15 @@ def behavior_correction(
     return seq_ratio, (seq_ratio <= cap).float()
 
 
-def loss_denominator(advantage: str, loss_mask: torch.Tensor, sample_budgets: list[int]) -> float:
+def loss_denominator(advantage: str, loss_mask: torch.Tensor, sample_budgets: list[int],
+                     ranks: Ranks = ONE_RANK) -> float:
     """What the summed token loss is divided by. Dr.GRPO: its constant, batch x max_new_tokens (each sample's
     generation budget), since a padded width would scale the step by the longest sample. Otherwise the batch's policy
-    tokens, rows without a gradient included."""
+    tokens, rows without a gradient included. Sharded, the whole step's, summed over the ranks' shares: the
+    gradients are summed too, so the update does not depend on the split."""
     if advantage == "dr_grpo":
-        return float(sum(sample_budgets))
-    return float(loss_mask.sum().clamp(min=1.0))
+        return ranks.reduce([float(sum(sample_budgets))])[0]
+    return max(ranks.reduce([float(loss_mask.sum())])[0], 1.0)
 
 
 def ppo_loss(

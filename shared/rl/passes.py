@@ -19,6 +19,7 @@ from jetroll.shared.model.model import CausalLM
 from jetroll.shared.model.precision import use_exact
 from jetroll.shared.rl.batch import TokenBatch, pack_groups, packed_length
 from jetroll.shared.rl.loss import token_entropy, token_logprobs
+from jetroll.shared.rl.ranks import ONE_RANK, Ranks
 
 LOGIT_CHUNK_ELEMENTS = 1 << 23  # fp32 logits of one chunk of tokens: 32 MB, whatever the vocabulary
 
@@ -47,22 +48,34 @@ def proximal_pass(
         return head_logprobs(model, model.hidden(input_ids), targets, temperature)
 
 
-def group_hidden(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+def group_hidden(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int,
+                 ranks: Ranks = ONE_RANK) -> torch.Tensor:
     """Hidden states [n, width, H] of `rows` (whole groups) in the row layout. Groups go forward in buckets of similar
     length, since a multi-task batch mixes 30-token sums with 200-token episodes and one padded width would cost the
     short ones several times their tokens; a bucket is packed behind its groups' shared prompts where that is the
-    cheaper forward. Positions past a bucket's longest row are zeros: padding, outside every loss."""
+    cheaper forward. Positions past a bucket's longest row are zeros: padding, outside every loss.
+    Sharded, a rank runs as many forwards as the rank with the most buckets: its extra ones are of one pad token,
+    added in at weight 0, so that a backward reaches each of them too (`rows` may then be empty)."""
     group_size = batch.rewards.shape[1]
     input_ids, lengths = batch.input_ids[rows], batch.lengths[rows]
     group_lengths = lengths.view(-1, group_size).amax(dim=1).clamp(max=width)
     parts, order = [], []
-    for groups in length_buckets(group_lengths):
+    buckets = length_buckets(group_lengths)
+    # agreed before any forward: a collective between two ranks' all-gathers would pair with the wrong one
+    extra = ranks.most(len(buckets)) - len(buckets) if ranks.is_sharded else 0
+    for groups in buckets:
         bucket_rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
         bucket_width = int(group_lengths[groups].max())
         hidden = bucket_hidden(model, input_ids[bucket_rows], lengths[bucket_rows], group_size, bucket_width, pad_id)
         parts.append(F.pad(hidden, (0, 0, 0, width - bucket_width)))
         order.append(bucket_rows)
-    return torch.cat(parts)[torch.argsort(torch.cat(order))]
+    if not extra:
+        return torch.cat(parts)[torch.argsort(torch.cat(order))]
+    pad = torch.full((1, 1), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    weightless = sum(model.hidden(pad).sum() for _ in range(extra)) * 0.0
+    if not parts:
+        return torch.zeros(0, width, model.args.hidden_size, device=input_ids.device) + weightless
+    return torch.cat(parts)[torch.argsort(torch.cat(order))] + weightless
 
 
 def length_buckets(group_lengths: torch.Tensor) -> list[torch.Tensor]:
@@ -82,7 +95,8 @@ def bucket_hidden(model: CausalLM, input_ids: torch.Tensor, lengths: torch.Tenso
     """Hidden states [n, width, H] of whole groups, packed by group where that costs fewer multiply-adds: short
     answers behind a shared prompt pack to about half the tokens, long multi-turn samples packed make one long
     sequence whose attention costs more than the prompt saves."""
-    if not is_packing_cheaper(model, input_ids, lengths, group_size, width):
+    # the exact backend runs causal attention only: its no-grad passes (the KL reference's) take the row layout
+    if use_exact(model.precision) or not is_packing_cheaper(model, input_ids, lengths, group_size, width):
         return model.hidden(input_ids[:, :width])
     packed = pack_groups(input_ids, lengths, group_size, pad_id)
     hidden = model.hidden(packed.input_ids, packed.positions, attn_mask=packed.attn_mask)
@@ -205,12 +219,13 @@ class PolicyPass:
 
 
 def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad_id: int, *,
-                entropy_grad: bool = False, score_all: bool = False) -> PolicyPass:
+                entropy_grad: bool = False, score_all: bool = False, ranks: Ranks = ONE_RANK) -> PolicyPass:
     """The forward passes of one step. `with_grad` [B] marks the rows of the gradient pass; `entropy_grad` also gives
     their entropy with grad (the entropy bonus). On `fast`, pi_prox is the gradient pass's own forward, detached (one
     update per version); the other rows get a no-grad pass only with `score_all` (for the metrics: zero advantage
     leaves them out of the loss, and that pass was a fifth of an async step). On `exact` pi_prox comes from a full
-    exact pass over every row, and the gradient pass stays on `fast`."""
+    exact pass over every row, and the gradient pass stays on `fast`. Sharded, a pass runs on every rank when it runs
+    on any (`group_hidden`): a rank whose share has no gradient row still runs the gradient pass, on no rows."""
     is_exact = model.precision.backend == "exact"
     if is_exact:
         prox_logp, entropy = proximal_pass(model, batch.input_ids, batch.targets, batch.temperature)
@@ -220,36 +235,36 @@ def policy_pass(model: CausalLM, batch: TokenBatch, with_grad: torch.Tensor, pad
     # a step with no gradient row has no backward either: its metrics may as well cover every row
     scored = torch.ones_like(with_grad) if is_exact or score_all or not with_grad.any() else with_grad.clone()
     idle = (scored & ~with_grad).nonzero().squeeze(-1)
-    if not is_exact and len(idle):
+    if not is_exact and ranks.most(len(idle)):
         width = policy_width(batch.loss_mask[idle])
         with torch.no_grad():
-            hidden = group_hidden(model, batch, idle, width, pad_id)
+            hidden = group_hidden(model, batch, idle, width, pad_id, ranks)
             prox_logp[idle, :width], entropy[idle, :width] = head_logprobs(
                 model, hidden, batch.targets[idle, :width], batch.temperature[idle])
         model.release_inference_weights()  # this version is used once; the grad pass and backward need the room
     rows = with_grad.nonzero().squeeze(-1)
-    if not len(rows):
+    if not ranks.most(len(rows)):
         return PolicyPass(rows, 0, None, None, prox_logp, entropy, scored)
     width = policy_width(batch.loss_mask[rows])
-    logp, row_entropy = gradient_logp(model, batch, rows, width, pad_id)
+    logp, row_entropy = gradient_logp(model, batch, rows, width, pad_id, ranks)
     if not is_exact:
         prox_logp[rows, :width] = logp.detach()
         entropy[rows, :width] = row_entropy.detach()
     return PolicyPass(rows, width, logp, row_entropy if entropy_grad else None, prox_logp, entropy, scored)
 
 
-def gradient_logp(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int,
-                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gradient_logp(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int,
+                  ranks: Ranks = ONE_RANK) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient pass: log-probs and token entropy [rows, width] of `rows` (whole groups), with grad."""
-    hidden = group_hidden(model, batch, rows, width, pad_id)
+    hidden = group_hidden(model, batch, rows, width, pad_id, ranks)
     return head_logprobs(model, hidden, batch.targets[rows, :width], batch.temperature[rows])
 
 
-def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int,
-                   pad_id: int) -> torch.Tensor:
+def reference_logp(reference: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: int, pad_id: int,
+                   ranks: Ranks = ONE_RANK) -> torch.Tensor:
     """The reference policy's log-probs [rows, width], for the KL term."""
     with torch.no_grad():
-        hidden = group_hidden(reference, batch, rows, width, pad_id)
+        hidden = group_hidden(reference, batch, rows, width, pad_id, ranks)
         logp = head_logprobs(reference, hidden, batch.targets[rows, :width], batch.temperature[rows])[0]
     # rebuilt next step: rounding a frozen model costs far less than its forward, and the backward needs the room
     reference.release_inference_weights()
