@@ -62,20 +62,19 @@ def group_hidden(model: CausalLM, batch: TokenBatch, rows: torch.Tensor, width: 
     parts, order = [], []
     buckets = length_buckets(group_lengths)
     # agreed before any forward: a collective between two ranks' all-gathers would pair with the wrong one
-    extra = ranks.most(len(buckets)) - len(buckets) if ranks.is_sharded else 0
+    extra = ranks.most(len(buckets)) - len(buckets)
     for groups in buckets:
         bucket_rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
         bucket_width = int(group_lengths[groups].max())
         hidden = bucket_hidden(model, input_ids[bucket_rows], lengths[bucket_rows], group_size, bucket_width, pad_id)
         parts.append(F.pad(hidden, (0, 0, 0, width - bucket_width)))
         order.append(bucket_rows)
+    hidden = (torch.cat(parts)[torch.argsort(torch.cat(order))] if parts
+              else torch.zeros(0, width, model.args.hidden_size, device=input_ids.device))
     if not extra:
-        return torch.cat(parts)[torch.argsort(torch.cat(order))]
+        return hidden
     pad = torch.full((1, 1), pad_id, dtype=input_ids.dtype, device=input_ids.device)
-    weightless = sum(model.hidden(pad).sum() for _ in range(extra)) * 0.0
-    if not parts:
-        return torch.zeros(0, width, model.args.hidden_size, device=input_ids.device) + weightless
-    return torch.cat(parts)[torch.argsort(torch.cat(order))] + weightless
+    return hidden + sum(model.hidden(pad).sum() for _ in range(extra)) * 0.0
 
 
 def length_buckets(group_lengths: torch.Tensor) -> list[torch.Tensor]:

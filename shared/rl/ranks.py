@@ -16,7 +16,6 @@ from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 from jetroll.shared.model.model import CausalLM, DecoderLayer
 from jetroll.shared.model.precision import PrecisionLinear
@@ -77,6 +76,9 @@ def shard_model(model: CausalLM) -> None:
     """FSDP2 on `model`: each decoder block, then the root. `hidden` is registered as a forward, so the passes that
     call it (not `forward`) gather the root's parameters too. A block drops its FP8 and GEMM copies after its forward:
     they are whole tensors, so keeping them would hold the unsharded model."""
+    # late: FSDP2's modules add half a second to the start of every process that imports the loss
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
     for layer in model.model.layers:
         fully_shard(layer)
         layer.register_forward_hook(_release_block_copies)
